@@ -1,0 +1,70 @@
+"""The one matrix of kernel instances. The CLI, CI builds, generated/, the runtime's dispatch and
+the tests all read it; nothing else lists instances.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Iterator
+
+from .spec import DTYPES, HEAD_DIMS, MASKS, KernelSpec
+
+# NVRTC targets each family is built for.  A cubin runs on its own major version at the same or a
+# higher minor version, so sm_80 serves 8.0 and 8.7, sm_86 serves 8.6 and 8.9 (99 KB of shared
+# memory, hence smaller tiles for large head dims), and sm_90a serves Hopper.
+FAMILY_ARCHS = {
+    "sm80": ("sm_80", "sm_86", "sm_90a"),
+}
+ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
+
+
+def target_arch(major: int, minor: int) -> str:
+    """The NVRTC target whose cubins run on a device of compute capability major.minor."""
+    if major < 8:
+        raise RuntimeError(
+            f"flashgen needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer; "
+            f"this one is {major}.{minor}"
+        )
+    if major == 8:
+        return "sm_86" if minor in (6, 9) else "sm_80"
+    if major == 9:
+        return "sm_90a"
+    raise RuntimeError(
+        f"compute capability {major}.{minor} has no kernel family in flashgen yet "
+        f"(supported: 8.0-9.0)"
+    )
+
+
+def family_for(arch: str) -> str:
+    """The kernel family used on an NVRTC target (the sm80 family until a Hopper family exists)."""
+    for family, archs in FAMILY_ARCHS.items():
+        if arch in archs:
+            return family
+    raise ValueError(f"arch {arch!r} is not in the matrix; known: {ALL_ARCHS}")
+
+
+def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
+    for family, family_archs in FAMILY_ARCHS.items():
+        for arch, dtype, head_dim, mask, softcap, pack_gqa in itertools.product(
+            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True), (False, True)
+        ):
+            if archs is not None and arch not in archs:
+                continue
+            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa)
+
+
+def all_specs(
+    directions: Iterable[str] | None = None, archs: Iterable[str] | None = None
+) -> list[KernelSpec]:
+    """Every valid spec, sorted, optionally filtered by direction and arch."""
+    archs = tuple(archs) if archs is not None else None
+    specs: list[KernelSpec] = []
+    if directions is None or "fwd" in directions:
+        specs.extend(fwd_specs(archs))
+    return sorted(specs)
+
+
+def is_in_matrix(spec: KernelSpec) -> bool:
+    return spec in _MATRIX_SET
+
+
+_MATRIX_SET = frozenset(all_specs())

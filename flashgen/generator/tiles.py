@@ -1,0 +1,72 @@
+"""The one tile-size table. Templates get their tile constants from here, and so do the host
+heuristics (PackGQA efficiency, grid sizes, shared-memory requests).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Largest dynamic shared memory one block may use, per NVRTC target (bytes).
+_SMEM_LIMIT = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_87": 163 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90": 227 * 1024,
+    "sm_90a": 227 * 1024,
+    "sm_100a": 227 * 1024,
+    "sm_120": 99 * 1024,
+}
+
+# Rows are padded by 8 elements (16 bytes) in shared memory: with an odd number of 16-byte
+# chunks per row, the 8 rows that one ldmatrix phase reads fall into 8 different bank groups.
+SMEM_ROW_PAD = 8
+ELEMENT_BYTES = 2  # fp16 and bf16
+
+
+def smem_limit(arch: str) -> int:
+    try:
+        return _SMEM_LIMIT[arch]
+    except KeyError:
+        raise ValueError(f"no shared-memory limit known for arch {arch!r}; known: {sorted(_SMEM_LIMIT)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdTile:
+    block_m: int     # query rows per CTA
+    block_n: int     # key rows per main-loop step
+    num_warps: int   # each warp owns block_m / num_warps query rows (16 or 32)
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Q tile + one K tile + one V tile, each row padded (see SMEM_ROW_PAD)."""
+        return (self.block_m + 2 * self.block_n) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+
+
+# (head_dim) -> tile, for targets with >= 163 KB of shared memory per block (A100, H100/H200).
+_FWD_SM80_LARGE = {
+    64: FwdTile(128, 64, 4),
+    96: FwdTile(128, 64, 4),
+    128: FwdTile(128, 64, 4),
+    192: FwdTile(128, 64, 8),
+    256: FwdTile(128, 64, 8),
+}
+# For targets with 99 KB (sm_86, sm_89, sm_120).
+_FWD_SM80_SMALL = {
+    64: FwdTile(128, 64, 4),
+    96: FwdTile(128, 64, 4),
+    128: FwdTile(128, 64, 4),
+    192: FwdTile(64, 64, 4),
+    256: FwdTile(64, 32, 4),
+}
+
+
+def fwd_tile(family: str, arch: str, head_dim: int) -> FwdTile:
+    if family != "sm80":
+        raise ValueError(f"no forward tile table for family {family!r}")
+    table = _FWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _FWD_SM80_SMALL
+    tile = table[head_dim]
+    assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
+    return tile

@@ -1,0 +1,134 @@
+"""Loading cubins and launching kernels through the CUDA driver API.
+
+A kernel is loaded once per process as a context-independent CUlibrary/CUkernel, and launched on
+the caller's stream with its Params struct packed into one buffer. The per-call path is a dict
+lookup, one ``struct.pack_into`` and one ``cuLaunchKernel``: no rendering, hashing or file access.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Callable
+
+from ..generator.spec import KernelSpec
+
+_driver = None
+_init_lock = threading.Lock()
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def _import_driver():
+    """cuda.bindings.driver, initialized once; a clear error when no NVIDIA driver is installed."""
+    global _driver
+    if _driver is not None:
+        return _driver
+    with _init_lock:
+        if _driver is None:
+            from cuda.bindings import driver
+
+            try:
+                (err,) = driver.cuInit(0)
+            except Exception as exc:  # cuda.pathfinder raises when libcuda.so is missing
+                raise CudaError(
+                    "no NVIDIA driver found (libcuda.so could not be loaded): flashgen kernels need "
+                    f"an NVIDIA GPU with its driver installed ({type(exc).__name__}: {exc})"
+                ) from exc
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise CudaError(f"cuInit failed: {_error_text(driver, err)}")
+            _driver = driver
+    return _driver
+
+
+def _error_text(driver, err) -> str:
+    _, name = driver.cuGetErrorName(err)
+    _, text = driver.cuGetErrorString(err)
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    return f"{name} ({text})"
+
+
+def check(result, what: str):
+    """Raise CudaError unless a cuda.bindings call succeeded; return its values."""
+    driver = _driver
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what} failed: {_error_text(driver, err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class LoadedKernel:
+    """One kernel instance in this process: its CUkernel, and the devices it was set up for."""
+
+    __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices")
+
+    def __init__(self, spec: KernelSpec, cubin: bytes, smem_bytes: int, num_threads: int):
+        driver = _import_driver()
+        self.spec = spec
+        self.smem_bytes = smem_bytes
+        self.num_threads = num_threads
+        self.library = check(
+            driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), f"loading {spec.uri}"
+        )
+        self.kernel = check(
+            driver.cuLibraryGetKernel(self.library, spec.kernel_name.encode()),
+            f"finding kernel {spec.kernel_name}",
+        )
+        self._devices: set[int] = set()
+
+    def prepare(self, device_index: int) -> None:
+        """Raise the dynamic shared-memory limit on a device (once per device)."""
+        if device_index in self._devices:
+            return
+        driver = _driver
+        device = check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+        if self.smem_bytes > 48 * 1024:
+            check(
+                driver.cuKernelSetAttribute(
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    self.smem_bytes,
+                    self.kernel,
+                    device,
+                ),
+                f"raising the shared-memory limit of {self.spec.uri} to {self.smem_bytes} bytes",
+            )
+        self._devices.add(device_index)
+
+    def launch(self, grid: tuple[int, int, int], stream_handle: int, params: bytes) -> None:
+        """Enqueue on a stream. ``params`` is the packed Params struct (the kernel's one argument)."""
+        driver = _driver
+        buffer = ctypes.create_string_buffer(params, len(params))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        result = driver.cuLaunchKernel(
+            self.kernel, grid[0], grid[1], grid[2], self.num_threads, 1, 1,
+            self.smem_bytes, stream_handle, ctypes.addressof(argv), 0,
+        )
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            raise CudaError(
+                f"launching {self.spec.uri} (grid {grid}, {self.num_threads} threads, "
+                f"{self.smem_bytes} B shared memory) failed: {_error_text(driver, result[0])}"
+            )
+
+
+_loaded: dict[KernelSpec, LoadedKernel] = {}
+_load_lock = threading.Lock()
+
+
+def get_kernel(spec: KernelSpec, smem_bytes: int, num_threads: int,
+               get_cubin: Callable[[KernelSpec], bytes] | None = None) -> LoadedKernel:
+    """The loaded kernel for a spec: compiled (or read from the disk cache) and loaded once."""
+    kernel = _loaded.get(spec)
+    if kernel is not None:
+        return kernel
+    with _load_lock:
+        kernel = _loaded.get(spec)
+        if kernel is None:
+            if get_cubin is None:
+                from ..generator.cache import get_cubin
+            kernel = LoadedKernel(spec, get_cubin(spec), smem_bytes, num_threads)
+            _loaded[spec] = kernel
+    return kernel

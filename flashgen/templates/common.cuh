@@ -1,0 +1,145 @@
+// Device building blocks shared by every kernel family: element types, fast division, and thin
+// wrappers over the PTX instructions the kernels use (cp.async, ldmatrix, mma.sync, ex2).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace flashgen {
+
+using int64_t = long long;
+using uint32_t = unsigned int;
+
+// NVRTC has no <cmath>: spell infinity by its bit pattern.
+#define kInfinity __int_as_float(0x7f800000)
+
+// ---------------------------------------------------------------------------------------------
+// Element types. Each knows how to pack two floats into the 32-bit register an mma A/B operand
+// takes, and which mma.sync variant multiplies it.
+struct half_t {
+    using storage = __half;
+    static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+};
+
+struct bfloat16_t {
+    using storage = __nv_bfloat16;
+    static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Division by a run-time constant with one multiply-high (round-up method). Host side computes
+// {divisor, multiplier, shift} in flashgen/runtime/params.py:fast_divmod. Exact for 0 <= n < 2^31.
+struct FastDivmod {
+    int divisor;
+    uint32_t multiplier;
+    uint32_t shift;
+
+    __device__ __forceinline__ int div(int n) const {
+        return int((__umulhi(uint32_t(n), multiplier) + uint32_t(n)) >> shift);
+    }
+    __device__ __forceinline__ int divmod(int& remainder, int n) const {
+        int q = div(n);
+        remainder = n - q * divisor;
+        return q;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies of 16 bytes. With src_bytes = 0 nothing is read and the
+// 16 bytes are zero-filled: that is how out-of-range rows and head-dim columns are predicated.
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+    return uint32_t(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---------------------------------------------------------------------------------------------
+// ldmatrix: four 8x8 b16 matrices; lane l supplies the address of row (l % 8) of matrix (l / 8).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// D = A * B + D with A 16x16 (row), B 16x8 (col), fp32 accumulators.
+template <typename Element>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<half_t>(float (&d)[4], const uint32_t (&a)[4],
+                                                  uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<bfloat16_t>(float (&d)[4], const uint32_t (&a)[4],
+                                                      uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fast math with known error: ex2.approx has ~2 ulp relative error, enough for softmax.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1): two fast MUFU ops, absolute error ~1e-7 over the whole range
+// (tanh.approx.f32 would be one op but has ~5e-4 error, visible after multiplying by softcap).
+__device__ __forceinline__ float tanh_accurate(float x) {
+    float e = exp2_approx(x * 2.8853900817779268f);  // 2 * log2(e)
+    return 1.f - __fdividef(2.f, e + 1.f);
+}
+
+template <int kWidth>
+__device__ __forceinline__ float quad_allreduce_max(float x) {
+#pragma unroll
+    for (int offset = 1; offset < kWidth; offset *= 2) {
+        x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+    }
+    return x;
+}
+
+template <int kWidth>
+__device__ __forceinline__ float quad_allreduce_sum(float x) {
+#pragma unroll
+    for (int offset = 1; offset < kWidth; offset *= 2) {
+        x += __shfl_xor_sync(0xffffffff, x, offset);
+    }
+    return x;
+}
+
+}  // namespace flashgen

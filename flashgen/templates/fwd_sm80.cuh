@@ -1,0 +1,460 @@
+// The sm80 forward family: mma.sync m16n8k16, ldmatrix, cp.async, online softmax.
+//
+// One CTA computes kBlockM query rows of one (batch, head) — or, with PackGQA, kBlockM packed rows
+// of the qhead_per_khead query heads that share one KV head — against all visible keys:
+//
+//   for each visible key block n (last to first):
+//     wait K(n); issue V(n) copy;  S = Q·Kᵀ;  softcap, ALiBi, mask;  online softmax -> P
+//     wait V(n); issue K(n-1) copy; O += P·V
+//
+// Each warp owns kWarpM (16 or 32) query rows and all kBlockN key columns, so the softmax row
+// reductions stay inside a quad of lanes. Shared-memory rows are padded by 16 bytes, which makes
+// every ldmatrix phase conflict-free for all instance head dims.
+#pragma once
+#include "common.cuh"
+#include "flash_params.cuh"
+
+namespace flashgen {
+
+enum class Mask { None, Causal, Local };
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, Mask kMask_,
+          bool kSoftcap_, bool kPackGQA_>
+struct FwdTraits {
+    using Element = Element_;
+    using T = typename Element::storage;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr Mask kMask = kMask_;
+    static constexpr bool kSoftcap = kSoftcap_;
+    static constexpr bool kPackGQA = kPackGQA_;
+
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kWarpM = kBlockM / kNWarps;  // query rows per warp
+    static constexpr int kMI = kWarpM / 16;           // m16 tiles per warp
+    static constexpr int kNI = kBlockN / 8;           // n8 tiles of S
+    static constexpr int kDI = kHeadDim / 8;          // n8 tiles of O
+    static constexpr int kSmemStride = kHeadDim + 8;  // elements; see the padding note above
+
+    static_assert(kWarpM == 16 || kWarpM == 32, "a warp owns 16 or 32 query rows");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tiles are multiples of 16");
+};
+
+// How a tile of rows x kHeadDim elements is split over the CTA's threads for 16-byte copies:
+// each row is cut into chunks of the largest of 128/64/32 bytes that divides it, and one chunk is
+// kThreadsPerRow consecutive lanes. A thread always touches the same rows, so it can work out
+// their global addresses once.
+template <int kRows_, int kHeadDim, int kNThreads>
+struct RowCopy {
+    static constexpr int kRows = kRows_;
+    static constexpr int kRowBytes = kHeadDim * 2;
+    static constexpr int kChunkElems =
+        (kRowBytes % 128 == 0 ? 128 : (kRowBytes % 64 == 0 ? 64 : 32)) / 2;
+    static constexpr int kThreadsPerRow = kChunkElems / 8;
+    static constexpr int kRowsPerPass = kNThreads / kThreadsPerRow;
+    static constexpr int kRowIters = (kRows_ + kRowsPerPass - 1) / kRowsPerPass;
+    static constexpr int kColIters = kHeadDim / kChunkElems;
+    static constexpr bool kRowsExact = kRows_ % kRowsPerPass == 0;
+    // Row pointers each thread computes; the others are fetched from the lanes sharing the row.
+    static constexpr int kPtrsPerThread = (kRowIters + kThreadsPerRow - 1) / kThreadsPerRow;
+    static_assert(32 % kThreadsPerRow == 0, "a row's lanes must sit in one warp");
+};
+
+// Copies rows [0, kRows) of a tile into shared memory. row_ptr(r) gives the global address of
+// row r, or nullptr for rows outside the tensor; those, and columns >= head_dim, are zero-filled.
+// The row addresses are computed once per row (not once per lane) and broadcast with shuffles,
+// which matters when computing one costs a division (PackGQA, paged KV).
+template <typename Copy, typename T, typename RowPtr>
+__device__ __forceinline__ void copy_rows_async(T* smem, int smem_stride, int head_dim, int tid,
+                                                RowPtr row_ptr) {
+    int const lane_in_row = tid % Copy::kThreadsPerRow;
+    int const row0 = tid / Copy::kThreadsPerRow;
+    const T* ptrs[Copy::kPtrsPerThread];
+#pragma unroll
+    for (int p = 0; p < Copy::kPtrsPerThread; ++p) {
+        int const i = p * Copy::kThreadsPerRow + lane_in_row;
+        int const row = row0 + i * Copy::kRowsPerPass;
+        ptrs[p] = (i < Copy::kRowIters && row < Copy::kRows) ? row_ptr(row) : nullptr;
+    }
+#pragma unroll
+    for (int i = 0; i < Copy::kRowIters; ++i) {
+        const T* gptr = reinterpret_cast<const T*>(__shfl_sync(
+            0xffffffff, reinterpret_cast<unsigned long long>(ptrs[i / Copy::kThreadsPerRow]),
+            i % Copy::kThreadsPerRow, Copy::kThreadsPerRow));
+        int const row = row0 + i * Copy::kRowsPerPass;
+        if (Copy::kRowsExact || row < Copy::kRows) {
+#pragma unroll
+            for (int j = 0; j < Copy::kColIters; ++j) {
+                int const col = lane_in_row * 8 + j * Copy::kChunkElems;
+                bool const valid = gptr != nullptr && col < head_dim;
+                cp_async_16(smem_u32(smem + row * smem_stride + col), valid ? gptr + col : gptr,
+                            valid);
+            }
+        }
+    }
+}
+
+// Same partition, shared -> global, 16-byte stores; rows with a null address are skipped.
+template <typename Copy, typename T, typename RowPtr>
+__device__ __forceinline__ void store_rows(const T* smem, int smem_stride, int head_dim, int tid,
+                                           RowPtr row_ptr) {
+    int const lane_in_row = tid % Copy::kThreadsPerRow;
+    int const row0 = tid / Copy::kThreadsPerRow;
+    T* ptrs[Copy::kPtrsPerThread];
+#pragma unroll
+    for (int p = 0; p < Copy::kPtrsPerThread; ++p) {
+        int const i = p * Copy::kThreadsPerRow + lane_in_row;
+        int const row = row0 + i * Copy::kRowsPerPass;
+        ptrs[p] = (i < Copy::kRowIters && row < Copy::kRows) ? row_ptr(row) : nullptr;
+    }
+#pragma unroll
+    for (int i = 0; i < Copy::kRowIters; ++i) {
+        T* gptr = reinterpret_cast<T*>(__shfl_sync(
+            0xffffffff, reinterpret_cast<unsigned long long>(ptrs[i / Copy::kThreadsPerRow]),
+            i % Copy::kThreadsPerRow, Copy::kThreadsPerRow));
+        int const row = row0 + i * Copy::kRowsPerPass;
+        if (gptr != nullptr && (Copy::kRowsExact || row < Copy::kRows)) {
+#pragma unroll
+            for (int j = 0; j < Copy::kColIters; ++j) {
+                int const col = lane_in_row * 8 + j * Copy::kChunkElems;
+                if (col < head_dim) {
+                    *reinterpret_cast<uint4*>(gptr + col) =
+                        *reinterpret_cast<const uint4*>(smem + row * smem_stride + col);
+                }
+            }
+        }
+    }
+}
+
+// S[kMI][kNI] += Q(warp rows) · K(block)ᵀ, both operands from shared memory.
+template <typename Tr>
+__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMI][Tr::kNI][4], uint32_t sQ_warp,
+                                        uint32_t sK_addr, int lane, int head_dim) {
+    constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    // ldmatrix lane -> (row, col) of its 8x8 matrix: A tiles are [rows 0-15] x [k 0-7 | 8-15];
+    // B tiles (K rows are the n index) pair two n8 tiles: [n 0-7 | 8-15] x [k 0-7 | 8-15].
+    uint32_t const a_base = sQ_warp + (lane % 16) * kStrideBytes + (lane / 16) * 16;
+    uint32_t const b_base =
+        sK_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+        // Columns past the actual head dim are zero in both operands: skip their k-steps.
+        if (kk * 16 >= head_dim) break;
+        uint32_t a[Tr::kMI][4];
+#pragma unroll
+        for (int mi = 0; mi < Tr::kMI; ++mi) {
+            ldmatrix_x4(a[mi], a_base + mi * 16 * kStrideBytes + kk * 32);
+        }
+#pragma unroll
+        for (int nj = 0; nj < Tr::kNI / 2; ++nj) {
+            uint32_t b[4];
+            ldmatrix_x4(b, b_base + nj * 16 * kStrideBytes + kk * 32);
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMI; ++mi) {
+                mma_16816<typename Tr::Element>(s[mi][2 * nj], a[mi], b[0], b[1]);
+                mma_16816<typename Tr::Element>(s[mi][2 * nj + 1], a[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// O[kMI][kDI] += P · V(block), P from registers (A layout), V from shared memory (transposed).
+template <typename Tr>
+__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
+                                        const uint32_t (&p)[Tr::kMI][Tr::kBlockN / 16][4],
+                                        uint32_t sV_addr, int lane, int head_dim) {
+    constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    // Transposed B tiles: [keys 0-7 | 8-15] x [d 0-7 | 8-15], one 8x8 matrix per lane octet.
+    uint32_t const b_base =
+        sV_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+#pragma unroll
+        for (int dj = 0; dj < Tr::kDI / 2; ++dj) {
+            if (dj * 16 >= head_dim) break;
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, b_base + kk * 16 * kStrideBytes + dj * 32);
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMI; ++mi) {
+                mma_16816<typename Tr::Element>(o[mi][2 * dj], p[mi][kk], b[0], b[1]);
+                mma_16816<typename Tr::Element>(o[mi][2 * dj + 1], p[mi][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <typename Tr>
+__device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
+    using T = typename Tr::T;
+    using Element = typename Tr::Element;
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMI = Tr::kMI, kNI = Tr::kNI,
+                  kDI = Tr::kDI, kStride = Tr::kSmemStride;
+    constexpr bool kMasked = Tr::kMask != Mask::None;
+    using QCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
+    using KVCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + kBlockM * kStride;
+    T* sV = sK + kBlockN * kStride;
+
+    int const tid = threadIdx.x;
+    int const warp = tid / 32;
+    int const lane = tid % 32;
+    // Under a causal/local mask the last query blocks see the most keys: start them first.
+    int const m_block = kMasked ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const bidh = blockIdx.y;  // query head, or KV head under PackGQA
+    int const bidb = blockIdx.z;
+    FastDivmod const qhpk = params.qhead_per_khead;
+    int const bidh_kv = Tr::kPackGQA ? bidh : qhpk.div(bidh);
+    int const seqlen_q = params.seqlen_q;
+    int const seqlen_k = params.seqlen_k;
+    int const head_dim = params.head_dim;
+    // Packed rows: row r is query position r / qhpk of head bidh * qhpk + r % qhpk.
+    int const rows_total = Tr::kPackGQA ? seqlen_q * qhpk.divisor : seqlen_q;
+    int const row_start = m_block * kBlockM;
+    // Key j is visible from query i iff i + diag - window_left <= j <= i + diag + window_right.
+    int const diag = seqlen_k - seqlen_q;
+
+    auto query_pos = [&](int row) { return Tr::kPackGQA ? qhpk.div(row) : row; };
+
+    int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+    int n_block_min = 0;
+    int n_block_mask_right = n_block_max;  // blocks >= this cross the right (causal) edge
+    int n_block_mask_left = 0;             // blocks < this cross the left (window) edge
+    if constexpr (kMasked) {
+        int const m_first = query_pos(row_start);
+        int const m_last = query_pos(min(row_start + kBlockM, rows_total) - 1);
+        int const right_end = m_last + diag + params.window_right + 1;  // exclusive column bound
+        n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
+        int const right_full = m_first + diag + params.window_right + 1;
+        n_block_mask_right = right_full <= 0 ? 0 : right_full / kBlockN;
+        if constexpr (Tr::kMask == Mask::Local) {
+            int const left_first = m_first + diag - params.window_left;  // first visible column
+            n_block_min = left_first <= 0 ? 0 : left_first / kBlockN;
+            int const left_last = m_last + diag - params.window_left;
+            n_block_mask_left = left_last <= 0 ? 0 : (left_last + kBlockN - 1) / kBlockN;
+        }
+    }
+
+    // ---- Prologue: Q and the first K block in flight.
+    const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride;
+    copy_rows_async<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> const T* {
+        int const row = row_start + r;
+        if (row >= rows_total) return nullptr;
+        if constexpr (Tr::kPackGQA) {
+            int h_in_group;
+            int const m = qhpk.divmod(h_in_group, row);
+            return q_base + m * params.q_row_stride +
+                   (bidh * qhpk.divisor + h_in_group) * params.q_head_stride;
+        } else {
+            return q_base + row * params.q_row_stride + bidh * params.q_head_stride;
+        }
+    });
+    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + bidb * params.k_batch_stride +
+                      bidh_kv * params.k_head_stride;
+    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride +
+                      bidh_kv * params.v_head_stride;
+    auto load_kv = [&](T* smem, const T* base, int64_t row_stride, int n_block) {
+        int const first = n_block * kBlockN;
+        copy_rows_async<KVCopy>(smem, kStride, head_dim, tid, [&](int r) -> const T* {
+            return first + r < seqlen_k ? base + (first + r) * row_stride : nullptr;
+        });
+    };
+    if (n_block_max > n_block_min) load_kv(sK, k_base, params.k_row_stride, n_block_max - 1);
+    cp_async_commit();
+
+    // ---- Per-row state. Thread owns rows (warp, mi, half): lane / 4 + 8 * half of each m16 tile.
+    int const warp_row0 = warp * Tr::kWarpM;
+    int row_pos[kMI][2];      // query position of the row (for masks and ALiBi)
+    float row_slope[kMI][2];  // ALiBi slope in score units, 0 when off
+    float acc_o[kMI][kDI][4];
+    float row_max[kMI][2], row_sum[kMI][2];
+    const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int const row = row_start + warp_row0 + mi * 16 + lane / 4 + half * 8;
+            int head = bidh;
+            if constexpr (Tr::kPackGQA) {
+                int h_in_group;
+                row_pos[mi][half] = qhpk.divmod(h_in_group, row);
+                head = bidh * qhpk.divisor + h_in_group;
+            } else {
+                row_pos[mi][half] = row;
+            }
+            row_slope[mi][half] =
+                slopes != nullptr && row < rows_total
+                    ? slopes[bidb * params.alibi_batch_stride + head] * params.alibi_scale
+                    : 0.f;
+            row_max[mi][half] = -kInfinity;
+            row_sum[mi][half] = 0.f;
+        }
+#pragma unroll
+        for (int di = 0; di < kDI; ++di) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mi][di][e] = 0.f;
+        }
+    }
+
+    uint32_t const sQ_warp = smem_u32(sQ + warp_row0 * kStride);
+    uint32_t const sK_addr = smem_u32(sK);
+    uint32_t const sV_addr = smem_u32(sV);
+    float const scale_log2 = params.scale_log2;
+
+    // ---- Main loop over key blocks, last to first (the masked blocks come first).
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+        cp_async_wait<0>();
+        __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
+        load_kv(sV, v_base, params.v_row_stride, n_block);
+        cp_async_commit();
+
+        float s[kMI][kNI][4];
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+        gemm_qk<Tr>(s, sQ_warp, sK_addr, lane, head_dim);
+
+        int const col_block = n_block * kBlockN + 2 * (lane % 4);
+        if constexpr (Tr::kSoftcap) {
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[mi][ni][e] =
+                            params.softcap * tanh_accurate(s[mi][ni][e] * params.softcap_scale);
+        }
+        if (slopes != nullptr) {
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int const col = col_block + ni * 8 + (e % 2);
+                        int const rel = row_pos[mi][e / 2] + diag - col;
+                        s[mi][ni][e] -= row_slope[mi][e / 2] * float(rel < 0 ? -rel : rel);
+                    }
+        }
+        bool const need_mask = (n_block + 1) * kBlockN > seqlen_k ||
+                               (kMasked && n_block >= n_block_mask_right) ||
+                               (Tr::kMask == Mask::Local && n_block < n_block_mask_left);
+        if (need_mask) {
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int const col = col_block + ni * 8 + (e % 2);
+                        int const shifted = row_pos[mi][e / 2] + diag;
+                        bool masked = col >= seqlen_k;
+                        if constexpr (kMasked) masked |= col > shifted + params.window_right;
+                        if constexpr (Tr::kMask == Mask::Local)
+                            masked |= col < shifted - params.window_left;
+                        if (masked) s[mi][ni][e] = -kInfinity;
+                    }
+        }
+
+        // Online softmax: rescale what was accumulated when a row's running max grows.
+        uint32_t p[kMI][kBlockN / 16][4];
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float block_max = row_max[mi][half];
+#pragma unroll
+                for (int ni = 0; ni < kNI; ++ni) {
+                    block_max = fmaxf(block_max, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+                }
+                block_max = quad_allreduce_max<4>(block_max);
+                // A row with no visible key so far keeps max -inf; subtract 0 so exp2 gives 0.
+                float const max_scaled = block_max == -kInfinity ? 0.f : block_max * scale_log2;
+                float const correction = exp2_approx(row_max[mi][half] * scale_log2 - max_scaled);
+                row_max[mi][half] = block_max;
+                row_sum[mi][half] *= correction;
+#pragma unroll
+                for (int di = 0; di < kDI; ++di) {
+                    acc_o[mi][di][2 * half] *= correction;
+                    acc_o[mi][di][2 * half + 1] *= correction;
+                }
+#pragma unroll
+                for (int ni = 0; ni < kNI; ++ni) {
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        s[mi][ni][e] = exp2_approx(s[mi][ni][e] * scale_log2 - max_scaled);
+                        row_sum[mi][half] += s[mi][ni][e];
+                    }
+                }
+            }
+            // The m16n8 accumulator layout of two adjacent n8 tiles is the m16k16 A layout.
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                p[mi][kk][0] = Element::pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                p[mi][kk][1] = Element::pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                p[mi][kk][2] = Element::pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                p[mi][kk][3] = Element::pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+            }
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
+        if (n_block > n_block_min) load_kv(sK, k_base, params.k_row_stride, n_block - 1);
+        cp_async_commit();
+        gemm_pv<Tr>(acc_o, p, sV_addr, lane, head_dim);
+    }
+
+    // ---- Epilogue: normalize, stage O through shared memory for 16-byte stores, write lse.
+    cp_async_wait<0>();
+    __syncthreads();  // no copy in flight, no warp still reading sQ/sV
+    float* lse_out = reinterpret_cast<float*>(params.lse_ptr);
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float const sum = quad_allreduce_sum<4>(row_sum[mi][half]);
+            // sum == 0 only when the row saw no key: output 0 and lse -inf, never NaN.
+            float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            int const r = warp_row0 + mi * 16 + lane / 4 + half * 8;
+#pragma unroll
+            for (int di = 0; di < kDI; ++di) {
+                *reinterpret_cast<uint32_t*>(sQ + r * kStride + di * 8 + 2 * (lane % 4)) =
+                    Element::pack2(acc_o[mi][di][2 * half] * inv_sum,
+                                   acc_o[mi][di][2 * half + 1] * inv_sum);
+            }
+            int const row = row_start + r;
+            if (lane % 4 == 0 && row < rows_total) {
+                int head = bidh;
+                if constexpr (Tr::kPackGQA) head = bidh * qhpk.divisor + (row - row_pos[mi][half] * qhpk.divisor);
+                float const lse = sum > 0.f
+                    ? (row_max[mi][half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
+                    : -kInfinity;
+                lse_out[(int64_t(bidb) * params.nheads + head) * seqlen_q + row_pos[mi][half]] = lse;
+            }
+        }
+    }
+    __syncthreads();
+    T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride;
+    store_rows<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> T* {
+        int const row = row_start + r;
+        if (row >= rows_total) return nullptr;
+        if constexpr (Tr::kPackGQA) {
+            int h_in_group;
+            int const m = qhpk.divmod(h_in_group, row);
+            return o_base + m * params.o_row_stride +
+                   (bidh * qhpk.divisor + h_in_group) * params.o_head_stride;
+        } else {
+            return o_base + row * params.o_row_stride + bidh * params.o_head_stride;
+        }
+    });
+}
+
+}  // namespace flashgen

@@ -1,0 +1,110 @@
+"""Quick device smoke check used while developing kernels (not a test; see tests/gpu)."""
+import sys
+import time
+
+import torch
+
+import flashgen
+
+
+def ref(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = scale or d ** -0.5
+    k = k.repeat_interleave(h // hk, dim=2).float()
+    v = v.repeat_interleave(h // hk, dim=2).float()
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi is not None:
+        sl = alibi.view(-1 if alibi.dim() == 2 else 1, h, 1, 1) if alibi.dim() == 2 else alibi.view(1, h, 1, 1)
+        if alibi.dim() == 2:
+            sl = alibi.view(b, h, 1, 1)
+        s = s - sl * (i + sk - sq - j).abs()
+    wl, wr = window
+    if causal:
+        wr = 0
+    mask = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if wr >= 0:
+        mask |= j > i + sk - sq + wr
+    if wl >= 0:
+        mask |= j < i + sk - sq - wl
+    s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return o, lse
+
+
+def check(b, sq, sk, h, hk, d, dtype, **kw):
+    torch.manual_seed(sq * 7 + sk + d)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+    alibi = kw.pop("alibi", None)
+    pack = kw.pop("pack_gqa", None)
+    out, lse, _ = flashgen.flash_attn_func(q, k, v, return_attn_probs=True, alibi_slopes=alibi, pack_gqa=pack,
+                                           causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+                                           softcap=kw.get("softcap", 0.0))
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref(q, k, v, alibi=alibi, **kw)
+    o_pt, _ = ref(q.to(dtype), k, v, alibi=alibi, **kw)
+    err = (out.float() - o_ref).abs().max().item()
+    lse_fin = torch.isfinite(lse_ref)
+    lse_err = (lse[lse_fin] - lse_ref[lse_fin]).abs().max().item() if lse_fin.any() else 0.0
+    lse_inf_ok = bool((torch.isinf(lse) == ~lse_fin).all())
+    nan = bool(out.isnan().any())
+    ok = err < (2e-2 if dtype == torch.bfloat16 else 4e-3) and lse_err < 1e-2 and lse_inf_ok and not nan
+    print(f"{'OK ' if ok else 'BAD'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {dtype} {kw} alibi={alibi is not None} pack={pack}: "
+          f"err {err:.2e} lse_err {lse_err:.2e} inf_ok {lse_inf_ok} nan {nan}")
+    return ok
+
+
+def bench(d, causal, seqlen=4096):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import triton.testing
+    b = 16384 // seqlen
+    h = 2048 // d
+    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
+    t_fg = triton.testing.do_bench(lambda: flashgen.flash_attn_func(q, k, v, causal=causal), return_mode="median")
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    res = {}
+    for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                res[name] = triton.testing.do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), return_mode="median")
+        except Exception as e:
+            res[name] = float("nan")
+    tf = lambda ms: flops / ms / 1e9
+    print(f"d{d} s{seqlen} causal={causal}: flashgen {tf(t_fg):.0f} TF/s, FA2 {tf(res['fa2']):.0f}, cuDNN {tf(res['cudnn']):.0f}; ratio vs FA2 {res['fa2']/t_fg:.2f}")
+
+
+if __name__ == "__main__":
+    from cuda.bindings import driver
+    import cuda.bindings
+    print("torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__, torch.cuda.get_device_name())
+    t = time.time()
+    dt = torch.bfloat16
+    results = [
+        check(2, 128, 128, 4, 4, 128, dt),
+        check(2, 113, 1023, 4, 4, 128, dt),
+        check(1, 1, 1, 2, 2, 64, torch.float16),
+        check(2, 257, 300, 8, 2, 64, torch.float16, causal=True),
+        check(2, 300, 257, 8, 2, 96, dt, causal=True),
+        check(2, 300, 257, 8, 2, 96, dt, causal=True, pack_gqa=True),
+        check(2, 255, 511, 8, 1, 192, dt, window=(33, 7)),
+        check(2, 255, 511, 8, 1, 256, dt, window=(33, 7), pack_gqa=True),
+        check(1, 200, 200, 4, 4, 72, torch.float16, softcap=5.0),
+        check(2, 200, 333, 4, 2, 128, dt, alibi=torch.rand(4, device="cuda")),
+        check(2, 200, 333, 4, 2, 136, torch.float16, causal=True, alibi=torch.rand(2, 4, device="cuda"), pack_gqa=True),
+        check(1, 1000, 10, 2, 1, 64, dt, causal=True),
+        check(1, 17, 0, 2, 1, 64, dt),
+    ]
+    print(f"{sum(results)}/{len(results)} ok, {time.time() - t:.1f}s")
+    if "--bench" in sys.argv:
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                bench(d, causal)
