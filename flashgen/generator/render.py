@@ -40,7 +40,7 @@ def render_instance(spec: KernelSpec) -> str:
     """The short .cu translation unit of one instance: constants, includes, one entry point."""
     if spec.direction != "fwd":
         raise ValueError(f"no template for direction {spec.direction!r}")
-    tile = fwd_tile(spec.family, spec.arch, spec.head_dim)
+    tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask)
     return _env().get_template("fwd_instance.cu.j2").render(
         do_not_edit=DO_NOT_EDIT,
         spec_json=json.dumps(spec.to_dict(), sort_keys=True),

@@ -46,13 +46,17 @@ class FwdTile:
 
 
 # (head_dim) -> tile, for targets with >= 163 KB of shared memory per block (A100, H100/H200).
+# Tuned on the H200 with benchmarks/tune_fwd_tiles.py (results: benchmarks/results/sm80_fwd_tiles_h200.md):
+# 4 warps win everywhere; above d128 one m16 row tile per warp (64-row CTAs) keeps registers free.
 _FWD_SM80_LARGE = {
-    64: FwdTile(128, 64, 4),
+    64: FwdTile(128, 128, 4),
     96: FwdTile(128, 64, 4),
     128: FwdTile(128, 64, 4),
-    192: FwdTile(128, 64, 8),
-    256: FwdTile(128, 64, 8),
+    192: FwdTile(64, 64, 4),
+    256: FwdTile(64, 64, 4),
 }
+# Under a causal/local mask, narrower key blocks waste less work on the diagonal.
+_FWD_SM80_LARGE_MASKED = {**_FWD_SM80_LARGE, 64: FwdTile(128, 64, 4)}
 # For targets with 99 KB (sm_86, sm_89, sm_120).
 _FWD_SM80_SMALL = {
     64: FwdTile(128, 64, 4),
@@ -63,10 +67,13 @@ _FWD_SM80_SMALL = {
 }
 
 
-def fwd_tile(family: str, arch: str, head_dim: int) -> FwdTile:
+def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none") -> FwdTile:
     if family != "sm80":
         raise ValueError(f"no forward tile table for family {family!r}")
-    table = _FWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _FWD_SM80_SMALL
+    if smem_limit(arch) < 163 * 1024:
+        table = _FWD_SM80_SMALL
+    else:
+        table = _FWD_SM80_LARGE if mask == "none" else _FWD_SM80_LARGE_MASKED
     tile = table[head_dim]
     assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
     return tile

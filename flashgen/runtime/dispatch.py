@@ -79,7 +79,7 @@ def plan_fwd(
     family = family or matrix.family_for(arch)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
-    tile = fwd_tile(family, arch, d_instance)
+    tile = fwd_tile(family, arch, d_instance, mask)
     cc = device_capability[0] * 10 + device_capability[1]
     if pack_gqa is None:
         pack_gqa = heuristics.get_pack_gqa(cc, nheads, nheads_k, seqlen_q, tile.block_m)

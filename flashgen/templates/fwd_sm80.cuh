@@ -129,57 +129,81 @@ __device__ __forceinline__ void store_rows(const T* smem, int smem_stride, int h
 }
 
 // S[kMI][kNI] += Q(warp rows) · K(block)ᵀ, both operands from shared memory.
+// Software-pipelined: the ldmatrix of step t+1 is issued before the mma of step t, so shared-memory
+// latency hides behind tensor-core work (the asm statements keep their order).
 template <typename Tr>
 __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMI][Tr::kNI][4], uint32_t sQ_warp,
-                                        uint32_t sK_addr, int lane, int head_dim) {
+                                        uint32_t sK_addr, int lane) {
     constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    constexpr int kKSteps = Tr::kHeadDim / 16;
+    constexpr int kNPairs = Tr::kNI / 2;
     // ldmatrix lane -> (row, col) of its 8x8 matrix: A tiles are [rows 0-15] x [k 0-7 | 8-15];
     // B tiles (K rows are the n index) pair two n8 tiles: [n 0-7 | 8-15] x [k 0-7 | 8-15].
     uint32_t const a_base = sQ_warp + (lane % 16) * kStrideBytes + (lane / 16) * 16;
     uint32_t const b_base =
         sK_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
+    auto load_a = [&](uint32_t (&a)[Tr::kMI][4], int kk) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
-        // Columns past the actual head dim are zero in both operands: skip their k-steps.
-        if (kk * 16 >= head_dim) break;
-        uint32_t a[Tr::kMI][4];
+        for (int mi = 0; mi < Tr::kMI; ++mi) ldmatrix_x4(a[mi], a_base + mi * 16 * kStrideBytes + kk * 32);
+    };
+    auto load_b = [&](uint32_t (&b)[4], int kk, int nj) {
+        ldmatrix_x4(b, b_base + nj * 16 * kStrideBytes + kk * 32);
+    };
+    uint32_t a[2][Tr::kMI][4];
+    uint32_t b[2][4];
+    load_a(a[0], 0);
+    load_b(b[0], 0, 0);
 #pragma unroll
-        for (int mi = 0; mi < Tr::kMI; ++mi) {
-            ldmatrix_x4(a[mi], a_base + mi * 16 * kStrideBytes + kk * 32);
-        }
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        if (kk + 1 < kKSteps) load_a(a[(kk + 1) % 2], kk + 1);
 #pragma unroll
-        for (int nj = 0; nj < Tr::kNI / 2; ++nj) {
-            uint32_t b[4];
-            ldmatrix_x4(b, b_base + nj * 16 * kStrideBytes + kk * 32);
+        for (int nj = 0; nj < kNPairs; ++nj) {
+            int const t = kk * kNPairs + nj;
+            if (nj + 1 < kNPairs) {
+                load_b(b[(t + 1) % 2], kk, nj + 1);
+            } else if (kk + 1 < kKSteps) {
+                load_b(b[(t + 1) % 2], kk + 1, 0);
+            }
 #pragma unroll
             for (int mi = 0; mi < Tr::kMI; ++mi) {
-                mma_16816<typename Tr::Element>(s[mi][2 * nj], a[mi], b[0], b[1]);
-                mma_16816<typename Tr::Element>(s[mi][2 * nj + 1], a[mi], b[2], b[3]);
+                mma_16816<typename Tr::Element>(s[mi][2 * nj], a[kk % 2][mi], b[t % 2][0], b[t % 2][1]);
+                mma_16816<typename Tr::Element>(s[mi][2 * nj + 1], a[kk % 2][mi], b[t % 2][2], b[t % 2][3]);
             }
         }
     }
 }
 
-// O[kMI][kDI] += P · V(block), P from registers (A layout), V from shared memory (transposed).
+// O[kMI][kDI] += P · V(block), P from registers (A layout), V from shared memory (transposed),
+// pipelined like gemm_qk.
 template <typename Tr>
 __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
                                         const uint32_t (&p)[Tr::kMI][Tr::kBlockN / 16][4],
-                                        uint32_t sV_addr, int lane, int head_dim) {
+                                        uint32_t sV_addr, int lane) {
     constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    constexpr int kKSteps = Tr::kBlockN / 16;
+    constexpr int kDPairs = Tr::kDI / 2;
     // Transposed B tiles: [keys 0-7 | 8-15] x [d 0-7 | 8-15], one 8x8 matrix per lane octet.
     uint32_t const b_base =
         sV_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
+    auto load_b = [&](uint32_t (&b)[4], int kk, int dj) {
+        ldmatrix_x4_trans(b, b_base + kk * 16 * kStrideBytes + dj * 32);
+    };
+    uint32_t b[2][4];
+    load_b(b[0], 0, 0);
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
-        for (int dj = 0; dj < Tr::kDI / 2; ++dj) {
-            if (dj * 16 >= head_dim) break;
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, b_base + kk * 16 * kStrideBytes + dj * 32);
+        for (int dj = 0; dj < kDPairs; ++dj) {
+            int const t = kk * kDPairs + dj;
+            if (dj + 1 < kDPairs) {
+                load_b(b[(t + 1) % 2], kk, dj + 1);
+            } else if (kk + 1 < kKSteps) {
+                load_b(b[(t + 1) % 2], kk + 1, 0);
+            }
 #pragma unroll
             for (int mi = 0; mi < Tr::kMI; ++mi) {
-                mma_16816<typename Tr::Element>(o[mi][2 * dj], p[mi][kk], b[0], b[1]);
-                mma_16816<typename Tr::Element>(o[mi][2 * dj + 1], p[mi][kk], b[2], b[3]);
+                mma_16816<typename Tr::Element>(o[mi][2 * dj], p[mi][kk], b[t % 2][0], b[t % 2][1]);
+                mma_16816<typename Tr::Element>(o[mi][2 * dj + 1], p[mi][kk], b[t % 2][2], b[t % 2][3]);
             }
         }
     }
@@ -319,7 +343,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
-        gemm_qk<Tr>(s, sQ_warp, sK_addr, lane, head_dim);
+        gemm_qk<Tr>(s, sQ_warp, sK_addr, lane);
 
         int const col_block = n_block * kBlockN + 2 * (lane % 4);
         if constexpr (Tr::kSoftcap) {
@@ -409,7 +433,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
         if (n_block > n_block_min) load_kv(sK, k_base, params.k_row_stride, n_block - 1);
         cp_async_commit();
-        gemm_pv<Tr>(acc_o, p, sV_addr, lane, head_dim);
+        gemm_pv<Tr>(acc_o, p, sV_addr, lane);
     }
 
     // ---- Epilogue: normalize, stage O through shared memory for 16-byte stores, write lse.
