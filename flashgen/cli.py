@@ -1,0 +1,445 @@
+"""The ``flashgen`` command: list the matrix, emit generated/, build the cache, diagnose, demo.
+
+torch and the runtime are imported only inside the commands that need them (doctor, demo, and
+build without --arch).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from . import config
+from .generator import cache, matrix, nvrtc, render
+from .generator.spec import DIRECTIONS, KernelSpec
+
+MANIFEST = "manifest.json"
+# What `flashgen demo` compiles without a GPU: the instances most calls use, for the two targets
+# CI compiles (sm_80: Ampere, sm_90a: Hopper).
+DEMO_ARCHS = ("sm_80", "sm_90a")
+DEMO_HEAD_DIMS = (64, 128)
+DEMO_MASKS = ("none", "causal")
+FAILURE_LOG_LINES = 8
+
+
+def _split_archs(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    archs = [a.strip() for a in value.split(",") if a.strip()]
+    unknown = [a for a in archs if a not in matrix.ALL_ARCHS]
+    if unknown or not archs:
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of {', '.join(matrix.ALL_ARCHS)}"
+        )
+    return archs
+
+
+_arch_option = click.option(
+    "--arch", callback=_split_archs, help=f"Comma-separated targets: {', '.join(matrix.ALL_ARCHS)}."
+)
+_direction_option = click.option("--direction", type=click.Choice(DIRECTIONS))
+
+
+def _directions(direction: str | None) -> list[str] | None:
+    return [direction] if direction else None
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="Show flashgen's log (-v: info, -vv: debug).")
+def cli(verbose: int) -> None:
+    """flashgen: FlashAttention kernels generated from templates and compiled with NVRTC."""
+    # The CLI is an application, so it may configure logging; the library never does.
+    if verbose:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("flashgen").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+@cli.command("list")
+@_direction_option
+@_arch_option
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def list_command(direction: str | None, arch: list[str] | None, as_json: bool) -> None:
+    """List the kernel matrix: each instance's URI and fields."""
+    specs = matrix.all_specs(directions=_directions(direction), archs=arch)
+    rows = [{"uri": s.uri, **s.to_dict()} for s in specs]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if rows:
+        columns = list(rows[0])
+        widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+        click.echo("  ".join(c.ljust(widths[c]) for c in columns).rstrip())
+        for r in rows:
+            click.echo("  ".join(str(r[c]).ljust(widths[c]) for c in columns).rstrip())
+    click.echo(f"{len(rows)} kernel instances")
+
+
+def _expected_files() -> dict[str, str]:
+    """Everything `emit` writes, by file name: one .cu per instance, the Params header, the manifest."""
+    specs = matrix.all_specs()
+    files = {render.instance_filename(s): render.render_instance(s) for s in specs}
+    files[render.PARAMS_HEADER] = render.render_params_header()
+    manifest = sorted(
+        ({"uri": s.uri, "file": render.instance_filename(s), **s.to_dict()} for s in specs),
+        key=lambda entry: entry["uri"],
+    )
+    files[MANIFEST] = json.dumps(manifest, indent=2) + "\n"
+    return files
+
+
+@cli.command()
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("generated"),
+    show_default=True,
+    help="Folder to write (it holds generated files only).",
+)
+@click.option("--check", is_flag=True, help="Write nothing; fail if OUT differs from the matrix.")
+@click.pass_context
+def emit(ctx: click.Context, out: Path, check: bool) -> None:
+    """Render every instance of the matrix into OUT, for reading and reviewing the generated code."""
+    expected = _expected_files()
+    present = {p.name for p in out.iterdir() if p.is_file()} if out.is_dir() else set()
+    drifted = sorted(
+        n for n in expected.keys() & present if (out / n).read_bytes() != expected[n].encode()
+    )
+    missing = sorted(expected.keys() - present)
+    extra = sorted(present - expected.keys())
+    if check:
+        for label, names in (("drifted", drifted), ("missing", missing), ("extra", extra)):
+            for name in names:
+                click.echo(f"{label}: {out / name}")
+        if drifted or missing or extra:
+            click.echo(f"{out} is out of date; run `flashgen emit --out {out}`", err=True)
+            ctx.exit(1)
+        click.echo(f"{out}: {len(expected)} files up to date")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name in drifted + missing:
+        (out / name).write_bytes(expected[name].encode())
+    # Instances that left the matrix; anything else in OUT is not ours to delete.
+    stale = [n for n in extra if n.endswith((".cu", ".cuh"))]
+    for name in stale:
+        (out / name).unlink()
+    written = len(drifted) + len(missing)
+    click.echo(f"{out}: {len(expected)} files, {written} written, {len(stale)} stale removed")
+    for name in sorted(set(extra) - set(stale)):
+        click.echo(f"not generated by flashgen (left alone): {out / name}")
+
+
+def _gpu_target_arch() -> str | None:
+    """The NVRTC target of the current GPU, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return matrix.target_arch(*torch.cuda.get_device_capability())
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run_build(specs: list[KernelSpec], jobs: int, label: str) -> list[cache.BuildResult]:
+    results = []
+    with click.progressbar(
+        length=len(specs),
+        label=label,
+        item_show_func=lambda r: r.spec.uri if r is not None else None,
+    ) as bar:
+        for result in cache.build(specs, jobs):
+            results.append(result)
+            bar.update(1, result)
+    return results
+
+
+def _report_failures(results: list[cache.BuildResult]) -> None:
+    for r in results:
+        if r.error is not None:
+            click.echo(f"FAILED {r.spec.uri}", err=True)
+            for line in r.error.splitlines()[:FAILURE_LOG_LINES]:
+                click.echo(f"    {line}", err=True)
+
+
+@cli.command("build")
+@_arch_option
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True)
+@click.option("--filter", "uri_filter", metavar="TEXT", help="Only URIs containing TEXT.")
+@_direction_option
+@click.pass_context
+def build_command(
+    ctx: click.Context, arch: list[str] | None, jobs: int, uri_filter: str | None, direction: str | None
+) -> None:
+    """Compile kernels into the cache (default: for this GPU, or for every target without one)."""
+    if arch is None:
+        gpu_arch = _gpu_target_arch()
+        arch = [gpu_arch] if gpu_arch is not None else list(matrix.ALL_ARCHS)
+    specs = [
+        s for s in matrix.all_specs(directions=_directions(direction), archs=arch)
+        if uri_filter is None or uri_filter in s.uri
+    ]
+    if not specs:
+        raise click.UsageError(f"no instance for {', '.join(arch)} matches filter {uri_filter!r}")
+    click.echo(f"{len(specs)} kernels for {', '.join(arch)}, {jobs} jobs, cache {config.cache_dir()}")
+    start = time.perf_counter()
+    results = _run_build(specs, jobs, "compiling")
+    wall = time.perf_counter() - start
+
+    compiled = [r for r in results if not r.cached and r.error is None]
+    failed = [r for r in results if r.error is not None]
+    click.echo(
+        f"{len(results)} kernels: {len(results) - len(compiled) - len(failed)} cached, "
+        f"{len(compiled)} compiled, {len(failed)} failed in {wall:.1f} s"
+    )
+    if compiled:
+        slowest = sorted(compiled, key=lambda r: r.seconds, reverse=True)[:3]
+        click.echo(
+            f"compile time {sum(r.seconds for r in compiled):.1f} s in all; slowest: "
+            + ", ".join(f"{r.spec.uri} {r.seconds:.1f} s" for r in slowest)
+        )
+    if failed:
+        _report_failures(failed)
+        ctx.exit(1)
+
+
+@cli.group("cache")
+def cache_group() -> None:
+    """Inspect or clear the cubin cache (FLASHGEN_CACHE_DIR)."""
+
+
+@cache_group.command("info")
+def cache_info_command() -> None:
+    """Show the cache folder, its entries and size."""
+    info = cache.cache_info()
+    click.echo(f"directory: {info.directory}")
+    click.echo(f"entries:   {info.entries}")
+    click.echo(f"size:      {info.bytes / 2**20:.1f} MiB")
+
+
+@cache_group.command("clear")
+def cache_clear_command() -> None:
+    """Remove every cached kernel."""
+    removed = cache.clear_cache()
+    click.echo(f"removed {removed} entries from {config.cache_dir()}")
+
+
+def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:
+    """(what to show, driver CUDA version, how to fix) from the CUDA driver API."""
+    from cuda.bindings import driver
+
+    no_driver_fix = "install the NVIDIA driver to run kernels (compiling needs none)"
+    try:
+        (err,) = driver.cuInit(0)
+    # cuda.pathfinder's DynamicLibNotFoundError (a RuntimeError): libcuda.so is not installed.
+    except RuntimeError:
+        return "no NVIDIA driver found", None, no_driver_fix
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"cuInit failed: {err.name}", None, "check the driver install and CUDA_VISIBLE_DEVICES"
+    err, version = driver.cuDriverGetVersion()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return f"cuDriverGetVersion failed: {err.name}", None, no_driver_fix
+    major, minor = version // 1000, version % 1000 // 10
+    return f"supports CUDA {major}.{minor}", (major, minor), None
+
+
+def _cache_dir_status(directory: Path) -> str | None:
+    """None when the cache folder can be created and written, else why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        return str(exc)
+
+
+@cli.command()
+def doctor() -> None:
+    """Check what flashgen needs, and say how to fix what is missing."""
+    fixes: list[str] = []
+
+    def row(name: str, value: str) -> None:
+        click.echo(f"{name + ':':<16}{value}")
+
+    row("python", f"{platform.python_version()} ({sys.executable})")
+    try:
+        import torch
+    except ImportError:
+        row("torch", "not installed")
+        fixes.append("install PyTorch with CUDA: https://pytorch.org/get-started/locally/")
+    else:
+        built_for = torch.version.cuda or "none: CPU-only build"
+        row("torch", f"{torch.__version__} (built for CUDA {built_for})")
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            try:
+                target = matrix.target_arch(major, minor)
+            except RuntimeError as exc:
+                target = "unsupported"
+                fixes.append(str(exc))
+            row("gpu", f"{torch.cuda.get_device_name()} "
+                       f"(compute capability {major}.{minor}, target {target})")
+        else:
+            row("gpu", "none visible to torch")
+            fixes.append("kernels run only on an NVIDIA GPU with a CUDA build of torch; without one, "
+                         "flashgen can still compile (`flashgen build`)")
+
+    driver_text, driver_version, driver_fix = _driver_status()
+    row("driver", driver_text)
+    if driver_fix:
+        fixes.append(driver_fix)
+
+    try:
+        nvrtc_version = nvrtc.nvrtc_version()
+    except Exception as exc:  # libnvrtc missing: cuda.pathfinder raises its own error types
+        row("nvrtc", f"not usable ({exc})")
+        fixes.append("pip install nvidia-cuda-nvrtc cuda-bindings")
+    else:
+        row("nvrtc", "{}.{}".format(*nvrtc_version))
+        if driver_version is not None and nvrtc_version > driver_version:
+            nvrtc_text, driver_cuda = ("{}.{}".format(*v) for v in (nvrtc_version, driver_version))
+            fixes.append(
+                f"NVRTC {nvrtc_text} is newer than the driver's CUDA {driver_cuda}, so its cubins "
+                f"may not load: install the matching NVRTC "
+                f"(pip install 'nvidia-cuda-nvrtc=={driver_cuda}.*') or update the driver"
+            )
+        include_dir = nvrtc.cuda_include_dir()
+        row("cuda headers", str(include_dir) if include_dir else "not found")
+        if include_dir is None:
+            fixes.append(nvrtc.INSTALL_HEADERS_HINT)
+
+    directory = config.cache_dir()
+    problem = _cache_dir_status(directory)
+    row("cache", f"{directory} ({'writable' if problem is None else 'not writable: ' + problem})")
+    if problem is not None:
+        fixes.append("set FLASHGEN_CACHE_DIR to a writable folder")
+
+    try:
+        row("settings", f"FLASHGEN_FAMILY={config.forced_family() or '(auto)'}, "
+                        f"FLASHGEN_CHECK_INPUTS={int(config.check_inputs())}, "
+                        f"NVRTC options: {' '.join(cache.compile_options())}")
+    except ValueError as exc:
+        row("settings", "invalid")
+        fixes.append(str(exc))
+
+    if fixes:
+        click.echo("\nto fix:")
+        for fix in fixes:
+            click.echo(f"  - {fix}")
+    else:
+        click.echo("\neverything flashgen needs was found")
+
+
+def _demo_specs() -> list[KernelSpec]:
+    return [
+        s for s in matrix.all_specs(directions=["fwd"], archs=DEMO_ARCHS)
+        if s.dtype == "bf16" and s.head_dim in DEMO_HEAD_DIMS and s.mask in DEMO_MASKS
+        and not s.softcap and not s.pack_gqa
+    ]
+
+
+def _median_ms(fn, warmup: int = 3, runs: int = 10) -> float:
+    """Median of CUDA-event timings after warm-up: robust to a stray slow run."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _demo_gpu(ctx: click.Context) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import flashgen
+    from flashgen.testing import assert_close_fa_rule, attention_ref
+
+    batch, seqlen, nheads, head_dim = 4, 4096, 32, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (batch, seqlen, nheads, head_dim)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3)
+    )
+    # SDPA takes (batch, heads, seqlen, dim); transpose outside the timed region.
+    q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    click.echo(
+        f"{torch.cuda.get_device_name()}: forward, bf16, batch {batch}, seqlen {seqlen}, "
+        f"{nheads} heads, head dim {head_dim}"
+    )
+    click.echo(f"{'mask':<8}{'flashgen ms':>12}{'TFLOP/s':>9}{'SDPA ms':>10}{'TFLOP/s':>9}"
+               f"{'max err':>10}{'bf16 err':>10}")
+    failures = []
+    for causal in (False, True):
+        mask = "causal" if causal else "none"
+        start = time.perf_counter()
+        out = flashgen.flash_attn_func(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        first_call = time.perf_counter() - start
+        # References for batch 0 only: the whole batch would need ~30 GB of scores.
+        ref, _ = attention_ref(q[:1], k[:1], v[:1], causal=causal)
+        ref_bf16, _ = attention_ref(q[:1], k[:1], v[:1], causal=causal, upcast=False)
+        err = (out[:1].float() - ref.float()).abs().max().item()
+        bf16_err = (ref_bf16.float() - ref.float()).abs().max().item()
+        try:
+            assert_close_fa_rule(out[:1], ref, ref_bf16)
+        except AssertionError as exc:
+            failures.append(f"{mask}: {exc}")
+
+        flashgen_ms = _median_ms(lambda: flashgen.flash_attn_func(q, k, v, causal=causal))
+        sdpa_ms = _median_ms(lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=causal))
+        flops = 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        click.echo(
+            f"{mask:<8}{flashgen_ms:>12.3f}{flops / flashgen_ms / 1e9:>9.0f}"
+            f"{sdpa_ms:>10.3f}{flops / sdpa_ms / 1e9:>9.0f}{err:>10.2e}{bf16_err:>10.2e}"
+            f"   (first call {first_call:.1f} s, compile or cache load included)"
+        )
+    click.echo("max err: flashgen vs a float32 reference; bf16 err: PyTorch in bf16 vs the same "
+               "reference (FlashAttention's rule: max err <= 2 x bf16 err)")
+    if failures:
+        for failure in failures:
+            click.echo(f"MISMATCH {failure}", err=True)
+        ctx.exit(1)
+
+
+@cli.command()
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True)
+@click.pass_context
+def demo(ctx: click.Context, jobs: int) -> None:
+    """On a GPU: run flashgen next to PyTorch SDPA and check it.  Without one: compile a
+    representative set of kernels for sm_80 and sm_90a."""
+    import torch
+
+    if torch.cuda.is_available():
+        _demo_gpu(ctx)
+        return
+    specs = _demo_specs()
+    click.echo(f"compiling {len(specs)} representative kernels with NVRTC into {config.cache_dir()}")
+    results = []
+    for result in cache.build(specs, jobs):
+        results.append(result)
+        status = "FAILED" if result.error else "cached" if result.cached else f"{result.seconds:6.1f} s"
+        click.echo(f"  {result.spec.uri:<48} {status}")
+    if any(r.error for r in results):
+        _report_failures(results)
+        ctx.exit(1)
+    click.echo("No NVIDIA GPU found (torch.cuda.is_available() is False): "
+               "kernels were compiled, none was run.")
+
+
+def main() -> None:
+    cli(prog_name="flashgen")

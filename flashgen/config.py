@@ -1,0 +1,76 @@
+"""The one place flashgen reads environment variables.
+
+Each knob is a function, read at call time, so tests can monkeypatch the environment and a long
+process sees a change without re-importing.  A knob that changes the compiled binary
+(``FLASHGEN_NVRTC_EXTRA_OPTIONS``) reaches the cache key through the options list.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from .generator.spec import FAMILIES
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _env(name: str) -> str | None:
+    """The variable's value, or None when unset or empty (an empty value means 'use the default')."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = _env(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of {_TRUE + _FALSE}, got {value!r}")
+
+
+def cache_dir() -> Path:
+    """Where compiled cubins live: FLASHGEN_CACHE_DIR, else $XDG_CACHE_HOME/flashgen, else
+    ~/.cache/flashgen.  Not created here."""
+    explicit = _env("FLASHGEN_CACHE_DIR")
+    if explicit is not None:
+        return Path(explicit).expanduser()
+    xdg = _env("XDG_CACHE_HOME")
+    # The XDG spec says a relative XDG_CACHE_HOME is invalid and must be ignored.
+    if xdg is not None and Path(xdg).is_absolute():
+        return Path(xdg) / "flashgen"
+    return Path.home() / ".cache" / "flashgen"
+
+
+def cuda_home() -> Path | None:
+    """CUDA_HOME (or CUDA_PATH, the Windows installer's name): a toolkit whose include/ may hold
+    the CUDA headers NVRTC needs."""
+    value = _env("CUDA_HOME") or _env("CUDA_PATH")
+    return Path(value).expanduser() if value is not None else None
+
+
+def forced_family() -> str | None:
+    """FLASHGEN_FAMILY: use this kernel family instead of the one chosen for the device (testing)."""
+    family = _env("FLASHGEN_FAMILY")
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"FLASHGEN_FAMILY must be one of {FAMILIES}, got {family!r}")
+    return family
+
+
+def check_inputs() -> bool:
+    """FLASHGEN_CHECK_INPUTS (default off): value-dependent input checks that read device memory
+    (cache_seqlens, block tables, cu_seqlens) and so synchronize. Shape, dtype and device checks
+    always run."""
+    return _env_bool("FLASHGEN_CHECK_INPUTS", default=False)
+
+
+def nvrtc_extra_options() -> list[str]:
+    """FLASHGEN_NVRTC_EXTRA_OPTIONS, split like a shell command line: extra NVRTC flags appended to
+    the defaults, e.g. "-G" to debug under compute-sanitizer or "--ptxas-options=-v" to see register
+    use.  They change the binary, so they are part of the cache key."""
+    value = _env("FLASHGEN_NVRTC_EXTRA_OPTIONS")
+    return shlex.split(value) if value is not None else []

@@ -1,0 +1,73 @@
+"""Markers and cache isolation shared by every test tier.
+
+Markers:
+  gpu     needs a CUDA GPU; skipped when torch.cuda.is_available() is False.
+  matrix  NVRTC compile of the whole kernel matrix (minutes); deselect with -m "not matrix".
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashgen.generator import cache, nvrtc
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "matrix: compiles the whole kernel matrix with NVRTC (slow)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return  # no torch import (and no CUDA probing) for CPU-only runs
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Keep tests out of the user's cache, with one cache per session so each kernel compiles once
+    per run.  An explicit FLASHGEN_CACHE_DIR (e.g. a cache carried to the GPU machine) is kept."""
+    if os.environ.get("FLASHGEN_CACHE_DIR"):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("flashgen-cache")))
+        yield
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache dir and an empty in-process memo, for tests of the cache's own behaviour."""
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(directory))
+    monkeypatch.setattr(cache, "_cubins", {})
+    return directory
+
+
+class FakeNvrtc:
+    """Stands in for nvrtc.compile_cubin in tests of the cache and CLI: records each compile."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @staticmethod
+    def cubin(name: str) -> bytes:
+        return b"\x7fELF" + name.encode() * 3
+
+    def compile_cubin(self, source, name, arch, headers, options, source_path=None) -> bytes:
+        self.calls.append(name)
+        return self.cubin(name)
+
+
+@pytest.fixture
+def fake_nvrtc(monkeypatch, fresh_cache) -> FakeNvrtc:
+    fake = FakeNvrtc()
+    monkeypatch.setattr(nvrtc, "compile_cubin", fake.compile_cubin)
+    return fake

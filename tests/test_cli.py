@@ -1,0 +1,113 @@
+"""CPU tier: the flashgen command, through click's test runner."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from flashgen.cli import MANIFEST, cli
+from flashgen.generator import matrix, render
+from flashgen.generator.nvrtc import CompileError
+
+ONE_URI_FILTER = "sm80_hdim64_bf16_sm80"  # the plain bf16 d64 instance for sm_80 only
+
+
+def run(*args: str, expect: int = 0):
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == expect, (result.output, result.exception)
+    return result
+
+
+def test_list():
+    output = run("list").output.splitlines()
+    assert output[0].split()[0] == "uri"
+    assert output[-1] == f"{len(matrix.all_specs())} kernel instances"
+    assert len(output) == len(matrix.all_specs()) + 2
+
+
+def test_list_json_filtered():
+    rows = json.loads(run("list", "--json", "--direction", "fwd", "--arch", "sm_80,sm_90a").output)
+    specs = matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])
+    assert [row["uri"] for row in rows] == [s.uri for s in specs]
+    assert rows[0] == {"uri": specs[0].uri, **specs[0].to_dict()}
+
+
+def test_list_rejects_an_unknown_arch():
+    assert "sm_75" in run("list", "--arch", "sm_75", expect=2).output
+
+
+def test_emit_then_check(tmp_path):
+    out = tmp_path / "generated"
+    run("emit", "--out", str(out))
+    specs = matrix.all_specs()
+    files = {p.name for p in out.iterdir()}
+    assert files == {render.instance_filename(s) for s in specs} | {render.PARAMS_HEADER, MANIFEST}
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert [m["uri"] for m in manifest] == sorted(s.uri for s in specs)
+    assert manifest[0]["file"] == f"{manifest[0]['uri']}.cu"
+    assert "up to date" in run("emit", "--out", str(out), "--check").output
+
+    drifted = out / render.instance_filename(specs[0])
+    drifted.write_text(drifted.read_text() + "// edited by hand\n")
+    missing = out / render.PARAMS_HEADER
+    missing.unlink()
+    (out / "flash_fwd_old_instance.cu").write_text("")
+    output = run("emit", "--out", str(out), "--check", expect=1).output
+    assert f"drifted: {drifted}" in output
+    assert f"missing: {missing}" in output
+    assert f"extra: {out / 'flash_fwd_old_instance.cu'}" in output
+
+    output = run("emit", "--out", str(out)).output
+    assert "2 written, 1 stale removed" in output
+    run("emit", "--out", str(out), "--check")
+
+
+def test_build_compiles_then_finds_cached(fake_nvrtc):
+    output = run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
+    assert "1 kernels: 0 cached, 1 compiled, 0 failed" in output
+    assert fake_nvrtc.calls == ["flash_fwd_sm80_hdim64_bf16_sm80"]
+    output = run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
+    assert "1 kernels: 1 cached, 0 compiled, 0 failed" in output
+
+
+def test_build_failure_exits_nonzero_with_uri_and_log(monkeypatch, fresh_cache):
+    def failing_compile(source, name, arch, headers, options, source_path=None):
+        raise CompileError(name, "kernel.cu(3): error: expected a ';'", source_path, options)
+
+    monkeypatch.setattr("flashgen.generator.nvrtc.compile_cubin", failing_compile)
+    result = run(
+        "build", "--arch", "sm_90a", "--filter", "hdim128_fp16_causal_sm90a", "-j", "1", expect=1
+    )
+    assert "1 failed" in result.output
+    assert "FAILED flash_fwd_sm80_hdim128_fp16_causal_sm90a" in result.output
+    assert "expected a ';'" in result.output
+
+
+def test_build_with_nothing_to_build():
+    result = run("build", "--arch", "sm_80", "--filter", "nothing-like-this", expect=2)
+    assert "no instance" in result.output
+
+
+def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
+    run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    output = run("cache", "info").output
+    assert str(fresh_cache) in output and "entries:   1" in output
+    assert "removed 1 entries" in run("cache", "clear").output
+    assert "entries:   0" in run("cache", "info").output
+
+
+def test_doctor_runs_anywhere(fresh_cache):
+    output = run("doctor").output
+    for label in ("python:", "torch:", "gpu:", "driver:", "nvrtc:", "cuda headers:", "cache:"):
+        assert label in output
+    assert f"{fresh_cache} (writable)" in output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU path of demo")
+def test_demo_without_gpu_compiles_and_says_so(fake_nvrtc):
+    output = run("demo", "-j", "1").output
+    assert len(fake_nvrtc.calls) == 8
+    assert {"sm80", "sm90a"} == {uri.rsplit("_", 1)[1] for uri in fake_nvrtc.calls}
+    assert "No NVIDIA GPU found" in output and "none was run" in output

@@ -1,0 +1,81 @@
+"""Dispatch is a pure function of the call and the device: every decision checked on the CPU."""
+import pytest
+
+from flashgen.generator.matrix import is_in_matrix
+from flashgen.runtime.dispatch import instance_head_dim, plan_fwd, resolve_mask
+
+
+def plan(**overrides):
+    args = dict(
+        dtype="bf16", head_dim=128, batch=2, seqlen_q=512, seqlen_k=512, nheads=16, nheads_k=16,
+        causal=False, window_size=(-1, -1), softcap=0.0, pack_gqa=None, device_capability=(9, 0),
+    )
+    args.update(overrides)
+    return plan_fwd(**args)
+
+
+@pytest.mark.parametrize("d, expected", [(8, 64), (64, 64), (72, 96), (96, 96), (136, 192), (200, 256), (256, 256)])
+def test_instance_head_dim(d, expected):
+    assert instance_head_dim(d) == expected
+
+
+def test_instance_head_dim_too_large():
+    with pytest.raises(ValueError, match="at most 256"):
+        instance_head_dim(264)
+
+
+@pytest.mark.parametrize(
+    "causal, window, sq, sk, expected",
+    [
+        (False, (-1, -1), 10, 20, ("none", 0, 0)),
+        (True, (-1, -1), 10, 20, ("causal", 30, 0)),
+        (False, (-1, 0), 10, 20, ("causal", 30, 0)),
+        (True, (5, -1), 10, 20, ("local", 5, 0)),        # causal forces right = 0
+        (False, (5, 7), 10, 20, ("local", 5, 7)),
+        (False, (-1, 3), 10, 20, ("local", 30, 3)),      # infinite left clamped past every key
+        (False, (100, 100), 10, 20, ("local", 30, 30)),  # clamping keeps the literal definition
+    ],
+)
+def test_resolve_mask(causal, window, sq, sk, expected):
+    assert resolve_mask(causal, window, sq, sk) == expected
+
+
+def test_plan_picks_a_spec_in_the_matrix():
+    for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
+        for d in (40, 64, 128, 256):
+            for causal in (False, True):
+                p = plan(device_capability=cc, head_dim=d, causal=causal, softcap=1.0, nheads_k=4)
+                assert is_in_matrix(p.spec), p.spec
+
+
+def test_plan_arch_and_family():
+    assert plan(device_capability=(8, 0)).spec.arch == "sm_80"
+    assert plan(device_capability=(8, 9)).spec.arch == "sm_86"
+    assert plan(device_capability=(9, 0)).spec.arch == "sm_90a"
+    assert plan().spec.family == "sm80"
+    with pytest.raises(RuntimeError, match="8.0"):
+        plan(device_capability=(7, 5))
+
+
+def test_plan_grid_unpacked_and_packed():
+    p = plan(nheads=32, nheads_k=4, seqlen_q=300, pack_gqa=False)
+    assert not p.spec.pack_gqa
+    assert p.grid == (-(-300 // p.tile.block_m), 32, 2)
+    p = plan(nheads=32, nheads_k=4, seqlen_q=300, pack_gqa=True)
+    assert p.spec.pack_gqa
+    assert p.grid == (-(-300 * 8 // p.tile.block_m), 4, 2)
+
+
+def test_plan_pack_gqa_choices():
+    assert plan(nheads=32, nheads_k=4, seqlen_q=1).spec.pack_gqa            # heuristic: decode
+    assert not plan(nheads=32, nheads_k=4, seqlen_q=4096).spec.pack_gqa     # heuristic: full tiles
+    assert plan(nheads=32, nheads_k=4, seqlen_q=4096, device_capability=(8, 0)).spec.pack_gqa
+    assert not plan(nheads=16, nheads_k=16, pack_gqa=True).spec.pack_gqa    # MHA: same kernel
+
+
+def test_plan_softcap_and_mask_switches():
+    assert plan(softcap=30.0).spec.softcap
+    assert not plan(softcap=0.0).spec.softcap
+    assert plan(causal=True).spec.mask == "causal"
+    assert plan(window_size=(64, 0)).spec.mask == "local"
+    assert plan(dtype="fp16").spec.dtype == "fp16"

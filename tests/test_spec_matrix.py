@@ -1,0 +1,91 @@
+"""CPU tier: the spec's URI and the one kernel matrix."""
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from flashgen.generator import matrix
+from flashgen.generator.spec import DTYPES, HEAD_DIMS, MASKS, KernelSpec
+
+# Fixed field order: direction, family, head dim, dtype, then each flag only when on, then arch.
+URI_PATTERN = re.compile(
+    r"flash_(?P<direction>fwd)_(?P<family>sm\d+)_hdim(?P<head_dim>\d+)_(?P<dtype>fp16|bf16)"
+    r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?_(?P<arch>sm\d+a?)"
+)
+PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap x pack_gqa
+
+
+def test_uris_unique_and_readable():
+    specs = matrix.all_specs()
+    assert len({s.uri for s in specs}) == len(specs)
+    for spec in specs:
+        match = URI_PATTERN.fullmatch(spec.uri)
+        assert match, spec.uri
+        # The URI spells every field back: nothing is lost or reordered.
+        assert match["direction"] == spec.direction
+        assert match["family"] == spec.family
+        assert int(match["head_dim"]) == spec.head_dim
+        assert match["dtype"] == spec.dtype
+        assert (match["mask"] or "none") == spec.mask
+        assert bool(match["softcap"]) == spec.softcap
+        assert bool(match["pack_gqa"]) == spec.pack_gqa
+        assert match["arch"] == spec.arch.replace("_", "")
+
+
+def test_flags_appear_only_when_on():
+    plain = KernelSpec("fwd", "sm80", "sm_80", "bf16", 128)
+    assert plain.uri == "flash_fwd_sm80_hdim128_bf16_sm80"
+    assert not {"none", "False", "True", "causal", "softcap", "packgqa"} & set(plain.uri.split("_"))
+    full = KernelSpec("fwd", "sm80", "sm_90a", "fp16", 64, "local", softcap=True, pack_gqa=True)
+    assert full.uri == "flash_fwd_sm80_hdim64_fp16_local_softcap_packgqa_sm90a"
+
+
+def test_spec_round_trips_and_rejects_bad_fields():
+    spec = KernelSpec("fwd", "sm80", "sm_86", "fp16", 96, "causal", pack_gqa=True)
+    assert KernelSpec.from_dict(spec.to_dict()) == spec
+    assert spec.compute_capability == 86
+    with pytest.raises(ValueError, match="head_dim"):
+        KernelSpec("fwd", "sm80", "sm_80", "bf16", 100)
+    with pytest.raises(ValueError, match="dtype"):
+        KernelSpec("fwd", "sm80", "sm_80", "fp32", 128)
+
+
+def test_matrix_counts():
+    assert len(matrix.all_specs()) == PER_ARCH * len(matrix.ALL_ARCHS)
+    for arch in matrix.ALL_ARCHS:
+        specs = matrix.all_specs(archs=[arch])
+        assert len(specs) == PER_ARCH
+        assert {s.arch for s in specs} == {arch}
+    assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * PER_ARCH
+    assert matrix.all_specs(directions=["bwd"]) == []
+    assert matrix.all_specs() == sorted(matrix.all_specs())
+
+
+def test_every_spec_is_in_matrix_and_its_family_matches():
+    for spec in matrix.all_specs():
+        assert matrix.is_in_matrix(spec)
+        assert matrix.family_for(spec.arch) == spec.family
+    with pytest.raises(ValueError, match="sm_75"):
+        matrix.family_for("sm_75")
+
+
+@pytest.mark.parametrize(
+    "capability, arch",
+    [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 7), "sm_80"), ((8, 9), "sm_86"), ((9, 0), "sm_90a")],
+)
+def test_target_arch(capability, arch):
+    assert matrix.target_arch(*capability) == arch
+    assert arch in matrix.ALL_ARCHS
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1), (10, 0), (12, 0)])
+def test_target_arch_rejects_unsupported(capability):
+    with pytest.raises(RuntimeError, match=r"{}\.{}".format(*capability)):
+        matrix.target_arch(*capability)
+
+
+def test_every_capability_maps_into_the_matrix():
+    for major, minor in itertools.product((8, 9), range(10)):
+        assert matrix.target_arch(major, minor) in matrix.ALL_ARCHS
