@@ -82,6 +82,98 @@ def bench(d, causal, seqlen=4096):
     print(f"d{d} s{seqlen} causal={causal}: flashgen {tf(t_fg):.0f} TF/s, FA2 {tf(res['fa2']):.0f}, cuDNN {tf(res['cudnn']):.0f}; ratio vs FA2 {res['fa2']/t_fg:.2f}")
 
 
+def check_kvcache(b, sq, hq, hk, d, page_size=None, new=0, rot=0, causal=False, splits=0, leftpad=False, dtype=torch.bfloat16):
+    """Dense reference of flash_attn_with_kvcache on one call (gather valid keys per batch)."""
+    torch.manual_seed(b * 100 + sq + d + new)
+    cap = 1000
+    lens = torch.randint(0, cap - new + 1, (b,), dtype=torch.int32, device="cuda")
+    kc = torch.randn(b, cap, hk, d, device="cuda", dtype=dtype)
+    vc = torch.randn(b, cap, hk, d, device="cuda", dtype=dtype)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    kn = torch.randn(b, new, hk, d, device="cuda", dtype=dtype) if new else None
+    vn = torch.randn(b, new, hk, d, device="cuda", dtype=dtype) if new else None
+    lp = (torch.randint(0, 50, (b,), dtype=torch.int32, device="cuda").minimum(lens)) if leftpad else None
+    cos = sin = None
+    if rot:
+        ang = torch.rand(cap, rot // 2, device="cuda") * 6
+        cos, sin = ang.cos(), ang.sin()
+    # expected cache after append and rotated q/k
+    def rotate(x, pos):
+        if not rot:
+            return x
+        xf = x.float()
+        c, s = cos[pos], sin[pos]  # (..., rot/2)
+        x1, x2 = xf[..., : rot // 2], xf[..., rot // 2: rot]
+        out = xf.clone()
+        out[..., : rot // 2] = x1 * c[:, None, :] - x2 * s[:, None, :]
+        out[..., rot // 2: rot] = x1 * s[:, None, :] + x2 * c[:, None, :]
+        return out.to(x.dtype)
+    kc_exp, vc_exp = kc.clone(), vc.clone()
+    for i in range(b):
+        L = int(lens[i])
+        if new:
+            pos = torch.arange(L, L + new, device="cuda")
+            kc_exp[i, L:L + new] = rotate(kn[i], pos)
+            vc_exp[i, L:L + new] = vn[i]
+    if page_size:
+        npages = -(-cap // page_size)
+        perm = torch.randperm(b * npages, device="cuda").int().view(b, npages)
+        kp = torch.zeros(b * npages, page_size, hk, d, device="cuda", dtype=dtype)
+        vp = torch.zeros_like(kp)
+        for i in range(b):
+            for pg in range(npages):
+                rows = slice(pg * page_size, min(cap, (pg + 1) * page_size))
+                n = rows.stop - rows.start
+                kp[perm[i, pg], :n] = kc[i, rows]
+                vp[perm[i, pg], :n] = vc[i, rows]
+        kc_in, vc_in, bt = kp, vp, perm
+    else:
+        kc_in, vc_in, bt = kc, vc, None
+    out = flashgen.flash_attn_with_kvcache(q, kc_in, vc_in, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                           cache_leftpad=lp, block_table=bt, causal=causal, num_splits=splits,
+                                           rotary_interleaved=False)
+    torch.cuda.synchronize()
+    worst = 0.0
+    for i in range(b):
+        L = int(lens[i]) + new
+        p0 = int(lp[i]) if lp is not None else 0
+        qpos = int(lens[i]) + (torch.arange(sq, device="cuda") if causal else torch.zeros(sq, dtype=torch.long, device="cuda"))
+        qi = rotate(q[i], qpos) if rot else q[i]
+        o_ref, _ = ref(qi[None], kc_exp[i, p0:L][None], vc_exp[i, p0:L][None], causal=causal)
+        worst = max(worst, (out[i].float() - o_ref[0]).abs().max().item())
+    cache_err = 0.0
+    if page_size is None:
+        cache_err = (kc_in.float() - kc_exp.float()).abs().max().item()
+    ok = worst < 3e-2 and cache_err < 1e-2 and not out.isnan().any()
+    print(f"{'OK ' if ok else 'BAD'} kvcache b{b} sq{sq} h{hq}/{hk} d{d} page{page_size} new{new} rot{rot} causal{causal} "
+          f"splits{splits} leftpad{leftpad}: err {worst:.2e} cache_err {cache_err:.2e}")
+    return ok
+
+
+def kvcache_suite():
+    res = [
+        check_kvcache(3, 1, 32, 8, 128),
+        check_kvcache(3, 1, 32, 8, 128, splits=3),
+        check_kvcache(3, 1, 32, 8, 128, page_size=16),
+        check_kvcache(3, 4, 8, 8, 64, page_size=17, new=4, causal=True),
+        check_kvcache(2, 5, 16, 2, 128, new=5, rot=64, causal=True),
+        check_kvcache(2, 1, 16, 2, 128, new=1, rot=128, leftpad=True, splits=4),
+        check_kvcache(2, 100, 8, 1, 256, page_size=1, new=3, causal=True, splits=2),
+        check_kvcache(2, 1, 32, 8, 96, page_size=256),
+    ]
+    # split-KV on the dense path
+    torch.manual_seed(0)
+    q = torch.randn(1, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    o1, l1, _ = flashgen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    o3, l3, _ = flashgen.flash_attn_func(q, k, v, causal=True, num_splits=3, return_attn_probs=True)
+    e = (o1.float() - o3.float()).abs().max().item(); el = (l1 - l3).abs().max().item()
+    print(f"{'OK ' if e < 1e-2 and el < 1e-3 else 'BAD'} dense split 3 vs 1: {e:.2e} lse {el:.2e}")
+    res.append(e < 1e-2)
+    print(f"kvcache: {sum(res)}/{len(res)} ok")
+
+
 if __name__ == "__main__":
     from cuda.bindings import driver
     import cuda.bindings
@@ -104,7 +196,10 @@ if __name__ == "__main__":
         check(1, 17, 0, 2, 1, 64, dt),
     ]
     print(f"{sum(results)}/{len(results)} ok, {time.time() - t:.1f}s")
+    if "--kvcache" in sys.argv:
+        kvcache_suite()
     if "--bench" in sys.argv:
         for d in (64, 128, 256):
             for causal in (False, True):
                 bench(d, causal)
+

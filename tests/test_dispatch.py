@@ -8,7 +8,7 @@ from flashgen.runtime.dispatch import instance_head_dim, plan_fwd, resolve_mask
 def plan(**overrides):
     args = dict(
         dtype="bf16", head_dim=128, batch=2, seqlen_q=512, seqlen_k=512, nheads=16, nheads_k=16,
-        causal=False, window_size=(-1, -1), softcap=0.0, pack_gqa=None, device_capability=(9, 0),
+        causal=False, window_size=(-1, -1), softcap=0.0, pack_gqa=None, device=(9, 0),
     )
     args.update(overrides)
     return plan_fwd(**args)
@@ -44,17 +44,17 @@ def test_plan_picks_a_spec_in_the_matrix():
     for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
         for d in (40, 64, 128, 256):
             for causal in (False, True):
-                p = plan(device_capability=cc, head_dim=d, causal=causal, softcap=1.0, nheads_k=4)
+                p = plan(device=cc, head_dim=d, causal=causal, softcap=1.0, nheads_k=4)
                 assert is_in_matrix(p.spec), p.spec
 
 
 def test_plan_arch_and_family():
-    assert plan(device_capability=(8, 0)).spec.arch == "sm_80"
-    assert plan(device_capability=(8, 9)).spec.arch == "sm_86"
-    assert plan(device_capability=(9, 0)).spec.arch == "sm_90a"
+    assert plan(device=(8, 0)).spec.arch == "sm_80"
+    assert plan(device=(8, 9)).spec.arch == "sm_86"
+    assert plan(device=(9, 0)).spec.arch == "sm_90a"
     assert plan().spec.family == "sm80"
     with pytest.raises(RuntimeError, match="8.0"):
-        plan(device_capability=(7, 5))
+        plan(device=(7, 5))
 
 
 def test_plan_grid_unpacked_and_packed():
@@ -69,7 +69,7 @@ def test_plan_grid_unpacked_and_packed():
 def test_plan_pack_gqa_choices():
     assert plan(nheads=32, nheads_k=4, seqlen_q=1).spec.pack_gqa            # heuristic: decode
     assert not plan(nheads=32, nheads_k=4, seqlen_q=4096).spec.pack_gqa     # heuristic: full tiles
-    assert plan(nheads=32, nheads_k=4, seqlen_q=4096, device_capability=(8, 0)).spec.pack_gqa
+    assert plan(nheads=32, nheads_k=4, seqlen_q=4096, device=(8, 0)).spec.pack_gqa
     assert not plan(nheads=16, nheads_k=16, pack_gqa=True).spec.pack_gqa    # MHA: same kernel
 
 
@@ -79,3 +79,33 @@ def test_plan_softcap_and_mask_switches():
     assert plan(causal=True).spec.mask == "causal"
     assert plan(window_size=(64, 0)).spec.mask == "local"
     assert plan(dtype="fp16").spec.dtype == "fp16"
+
+
+def test_plan_decode_tile_for_few_rows():
+    p = plan(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192)
+    assert p.spec.pack_gqa and p.spec.decode and p.tile.block_m == 16
+    assert p.grid[:2] == (1, 8)
+    assert not plan(seqlen_q=17).spec.decode     # 17 rows: the regular tile
+    assert plan(seqlen_q=16).spec.decode
+
+
+def test_plan_splits():
+    from flashgen.runtime.dispatch import MAX_SPLITS, DeviceInfo
+
+    h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
+    # Decode at batch 1: far fewer CTAs than the GPU holds -> the heuristic splits the keys.
+    p = plan(batch=1, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=131072, num_splits=0, device=h200)
+    assert 1 < p.num_splits <= MAX_SPLITS and p.grid[2] == p.num_splits
+    # Large batch: enough CTAs already.
+    assert plan(batch=128, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=2048, num_splits=0, device=h200).num_splits == 1
+    # Forced counts are clamped to the key blocks and to MAX_SPLITS.
+    assert plan(seqlen_k=100, num_splits=50).num_splits == 2
+    assert plan(seqlen_k=1 << 20, num_splits=1000).num_splits == MAX_SPLITS
+    # Split-KV packs GQA heads when the caller left the choice open.
+    p = plan(batch=1, nheads=32, nheads_k=8, seqlen_q=1024, seqlen_k=65536, num_splits=4, device=h200)
+    assert p.spec.pack_gqa and p.num_splits == 4
+
+
+def test_plan_paged_forces_packing():
+    assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.pack_gqa
+    assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.paged

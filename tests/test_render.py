@@ -8,7 +8,7 @@ import pytest
 
 from flashgen.generator import matrix, render
 from flashgen.generator.spec import KernelSpec
-from flashgen.runtime.params import FWD_PARAMS
+from flashgen.runtime.params import LAYOUTS
 
 SPEC = KernelSpec("fwd", "sm80", "sm_90a", "bf16", 128, "causal", softcap=True)
 
@@ -42,9 +42,12 @@ def test_params_header_has_a_static_assert_per_field():
     headers = render.header_sources()
     params = headers[render.PARAMS_HEADER]
     assert params.startswith(f"// {render.DO_NOT_EDIT}")
-    for field in FWD_PARAMS:
-        assert f'"Params layout drift: {field.name}"' in params
-    assert params.count("static_assert(") == len(FWD_PARAMS) + 1  # plus the size
+    for name, layout in LAYOUTS.items():
+        assert f"struct {name} {{" in params
+        for field in layout.fields:
+            assert f'static_assert(__builtin_offsetof({name}, {field.name})' in params
+    # One per field plus one for the size, per struct.
+    assert params.count("static_assert(") == sum(len(layout.fields) + 1 for layout in LAYOUTS.values())
     # Every .cuh of templates/ is offered to NVRTC (and digested by the cache key).
     assert {p.name for p in render.TEMPLATES_DIR.glob("*.cuh")} <= headers.keys()
 

@@ -7,14 +7,16 @@ import re
 import pytest
 
 from flashgen.generator import matrix
-from flashgen.generator.spec import DTYPES, HEAD_DIMS, MASKS, KernelSpec
+from flashgen.generator.spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, KernelSpec
 
 # Fixed field order: direction, family, head dim, dtype, then each flag only when on, then arch.
 URI_PATTERN = re.compile(
-    r"flash_(?P<direction>fwd)_(?P<family>sm\d+)_hdim(?P<head_dim>\d+)_(?P<dtype>fp16|bf16)"
-    r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?_(?P<arch>sm\d+a?)"
+    r"flash_(?P<direction>fwd|append|combine)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
+    r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?(?P<paged>_paged)?"
+    r"(?P<decode>_decode)?_(?P<arch>sm\d+a?)"
 )
-PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap x pack_gqa
+FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2 * 2 * 2  # softcap, pack_gqa, paged, decode
+PER_ARCH = FWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES)  # + append + combine
 
 
 def test_uris_unique_and_readable():
@@ -26,11 +28,13 @@ def test_uris_unique_and_readable():
         # The URI spells every field back: nothing is lost or reordered.
         assert match["direction"] == spec.direction
         assert match["family"] == spec.family
-        assert int(match["head_dim"]) == spec.head_dim
+        assert int(match["head_dim"] or 0) == spec.head_dim
         assert match["dtype"] == spec.dtype
         assert (match["mask"] or "none") == spec.mask
         assert bool(match["softcap"]) == spec.softcap
         assert bool(match["pack_gqa"]) == spec.pack_gqa
+        assert bool(match["paged"]) == spec.paged
+        assert bool(match["decode"]) == spec.decode
         assert match["arch"] == spec.arch.replace("_", "")
 
 
@@ -58,7 +62,7 @@ def test_matrix_counts():
         specs = matrix.all_specs(archs=[arch])
         assert len(specs) == PER_ARCH
         assert {s.arch for s in specs} == {arch}
-    assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * PER_ARCH
+    assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * FWD_PER_ARCH
     assert matrix.all_specs(directions=["bwd"]) == []
     assert matrix.all_specs() == sorted(matrix.all_specs())
 

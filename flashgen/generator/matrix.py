@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Iterator
 
-from .spec import DTYPES, HEAD_DIMS, MASKS, KernelSpec
+from .spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, KernelSpec
 
 # NVRTC targets each family is built for.  A cubin runs on its own major version at the same or a
 # higher minor version, so sm_80 serves 8.0 and 8.7, sm_86 serves 8.6 and 8.9 (99 KB of shared
@@ -44,12 +44,30 @@ def family_for(arch: str) -> str:
 
 def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
     for family, family_archs in FAMILY_ARCHS.items():
-        for arch, dtype, head_dim, mask, softcap, pack_gqa in itertools.product(
-            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True), (False, True)
+        flags = (False, True)
+        for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode in itertools.product(
+            family_archs, DTYPES, HEAD_DIMS, MASKS, flags, flags, flags, flags
         ):
             if archs is not None and arch not in archs:
                 continue
-            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa)
+            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode)
+
+
+def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
+    for family, family_archs in FAMILY_ARCHS.items():
+        for arch, dtype in itertools.product(family_archs, DTYPES):
+            if archs is None or arch in archs:
+                yield KernelSpec("append", family, arch, dtype)
+
+
+def combine_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
+    for family, family_archs in FAMILY_ARCHS.items():
+        for arch, dtype in itertools.product(family_archs, COMBINE_DTYPES):
+            if archs is None or arch in archs:
+                yield KernelSpec("combine", family, arch, dtype)
+
+
+_BY_DIRECTION = {"fwd": fwd_specs, "append": append_specs, "combine": combine_specs}
 
 
 def all_specs(
@@ -58,8 +76,9 @@ def all_specs(
     """Every valid spec, sorted, optionally filtered by direction and arch."""
     archs = tuple(archs) if archs is not None else None
     specs: list[KernelSpec] = []
-    if directions is None or "fwd" in directions:
-        specs.extend(fwd_specs(archs))
+    for direction, generate in _BY_DIRECTION.items():
+        if directions is None or direction in directions:
+            specs.extend(generate(archs))
     return sorted(specs)
 
 

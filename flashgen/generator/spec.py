@@ -10,8 +10,13 @@ Which switches are compile-time, and why:
 * ``softcap`` adds a transcendental per score; compiled in only where asked for (FlashAttention's
   SOFTCAP_SWITCH).
 * ``pack_gqa`` changes the row → (query position, head) mapping of every Q load and O store.
+* ``paged`` reads K/V rows through a page table (a divmod and a table load per row); the
+  contiguous path keeps its lean addressing and registers.
+* ``decode`` picks the tile for few query rows (one warp, 16 rows): decode-shaped calls are bound by
+  reading K/V, and a 128-row tile would spend the tensor cores on padding instead.
 
-Run-time (in the Params struct) and why: ALiBi (one uniform branch per score tile; the slopes
+Run-time (in the Params struct) and why: split-KV (only the epilogue differs: one uniform branch),
+cache_seqlens / cache_batch_idx / leftpad (per-CTA scalars), ALiBi (one uniform branch per score tile; the slopes
 pointer is null when off, so it costs nothing measurable and halves the instance count), the
 actual head dim below the instance's (predicated, zero-filled chunk loads), sequence lengths,
 window sizes, scales and strides.
@@ -21,14 +26,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-DIRECTIONS = ("fwd",)
+# fwd: attention; append: KV-cache append with rotary (before attention in flash_attn_with_kvcache);
+# combine: merges split-KV partials.
+DIRECTIONS = ("fwd", "append", "combine")
 DTYPES = ("fp16", "bf16")
+COMBINE_DTYPES = ("fp16", "bf16", "fp32")  # the combine's output dtype
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
 FAMILIES = ("sm80",)
 
-Direction = Literal["fwd"]
-DType = Literal["fp16", "bf16"]
+Direction = Literal["fwd", "append", "combine"]
+DType = Literal["fp16", "bf16", "fp32"]
 Mask = Literal["none", "causal", "local"]
 
 
@@ -40,35 +48,50 @@ class KernelSpec:
     family: str          # kernel family (template set): "sm80"
     arch: str            # NVRTC target, e.g. "sm_80", "sm_86", "sm_90a"
     dtype: DType
-    head_dim: int
+    head_dim: int = 0    # 0 for kernels that take it at run time
     mask: Mask = "none"
     softcap: bool = False
     pack_gqa: bool = False
+    paged: bool = False
+    decode: bool = False
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
-        if self.mask not in MASKS:
-            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        dtypes = COMBINE_DTYPES if self.direction == "combine" else DTYPES
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be one of {dtypes}, got {self.dtype!r}")
+        if self.direction == "fwd":
+            if self.head_dim not in HEAD_DIMS:
+                raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
+            if self.mask not in MASKS:
+                raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode) != (
+            0, "none", False, False, False, False
+        ):
+            raise ValueError(f"{self.direction} kernels take the head dim at run time and no switches: {self}")
         if not self.arch.startswith("sm_"):
             raise ValueError(f"arch must look like 'sm_80' or 'sm_90a', got {self.arch!r}")
 
     @property
     def uri(self) -> str:
         """Readable, unique name: fixed field order, flags appear only when on."""
-        parts = [f"flash_{self.direction}", self.family, f"hdim{self.head_dim}", self.dtype]
+        parts = [f"flash_{self.direction}", self.family]
+        if self.head_dim:
+            parts.append(f"hdim{self.head_dim}")
+        parts.append(self.dtype)
         if self.mask != "none":
             parts.append(self.mask)
         if self.softcap:
             parts.append("softcap")
         if self.pack_gqa:
             parts.append("packgqa")
+        if self.paged:
+            parts.append("paged")
+        if self.decode:
+            parts.append("decode")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 

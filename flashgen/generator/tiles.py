@@ -44,6 +44,13 @@ class FwdTile:
         """Q tile + one K tile + one V tile, each row padded (see SMEM_ROW_PAD)."""
         return (self.block_m + 2 * self.block_n) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
 
+    def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
+        """CTAs one SM holds at once: by shared memory (1 KB reserved per CTA) and by registers
+        (the kernels use up to 255 per thread, 64K per SM); at most 32."""
+        by_smem = smem_per_sm // (self.smem_bytes(head_dim) + 1024)
+        by_registers = 65536 // (self.num_threads * 256)
+        return max(1, min(by_smem, by_registers, 32))
+
 
 # (head_dim) -> tile, for targets with >= 163 KB of shared memory per block (A100, H100/H200).
 # Tuned on the H200 with benchmarks/tune_fwd_tiles.py (results: benchmarks/results/sm80_fwd_tiles_h200.md):
@@ -67,13 +74,26 @@ _FWD_SM80_SMALL = {
 }
 
 
-def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none") -> FwdTile:
+# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). One warp owns all 16 rows, so a CTA is
+# small and several share an SM, each with its own K/V copies in flight: the call is bound by
+# reading K/V, not by the tensor cores.
+FWD_DECODE_TILE = FwdTile(16, 64, 1)
+DECODE_MAX_ROWS = 16
+
+
+def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
     if family != "sm80":
         raise ValueError(f"no forward tile table for family {family!r}")
-    if smem_limit(arch) < 163 * 1024:
+    if decode:
+        table = {head_dim: FWD_DECODE_TILE}
+    elif smem_limit(arch) < 163 * 1024:
         table = _FWD_SM80_SMALL
     else:
         table = _FWD_SM80_LARGE if mask == "none" else _FWD_SM80_LARGE_MASKED
     tile = table[head_dim]
     assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
     return tile
+
+
+# The append and combine kernels give each (batch, row, head) one warp; a CTA holds this many.
+ROW_KERNEL_WARPS = 4

@@ -8,7 +8,7 @@ import logging
 
 from ..generator import matrix
 from ..generator.spec import HEAD_DIMS, KernelSpec
-from ..generator.tiles import FwdTile, fwd_tile
+from ..generator.tiles import DECODE_MAX_ROWS, FwdTile, fwd_tile
 from . import heuristics
 
 logger = logging.getLogger("flashgen")
@@ -17,16 +17,30 @@ _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What the plan needs to know about the GPU (read once per device by the runtime)."""
+
+    capability: tuple[int, int]
+    num_sms: int = 132
+    l2_bytes: int = 50 * 1024 * 1024
+    smem_per_sm: int = 228 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
 class FwdPlan:
     spec: KernelSpec
     tile: FwdTile
-    grid: tuple[int, int, int]
+    grid: tuple[int, int, int]   # (row blocks, heads, batch * num_splits)
+    num_splits: int
     window_left: int   # as the kernel sees it: >= 0 (no -1; "infinite" is clamped)
     window_right: int
 
     @property
     def smem_bytes(self) -> int:
         return self.tile.smem_bytes(self.spec.head_dim)
+
+
+MAX_SPLITS = 128
 
 
 def instance_head_dim(head_dim: int) -> int:
@@ -70,27 +84,59 @@ def plan_fwd(
     window_size: tuple[int, int],
     softcap: float,
     pack_gqa: bool | None,
-    device_capability: tuple[int, int],
+    device: DeviceInfo | tuple[int, int],
+    paged: bool = False,
+    num_splits: int = 1,
     family: str | None = None,
 ) -> FwdPlan:
-    """Choose the forward instance and its grid. ``dtype`` is "fp16"/"bf16" or a torch dtype."""
+    """Choose the forward instance, its grid and the split count.
+
+    ``dtype`` is "fp16"/"bf16" or a torch dtype; ``seqlen_k`` is the key count, or for a KV cache
+    its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and
+    MAX_SPLITS).
+    """
+    if not isinstance(device, DeviceInfo):
+        device = DeviceInfo(tuple(device))
     dtype = _DTYPE_NAMES.get(str(dtype), dtype)
-    arch = matrix.target_arch(*device_capability)
+    arch = matrix.target_arch(*device.capability)
     family = family or matrix.family_for(arch)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
-    tile = fwd_tile(family, arch, d_instance, mask)
-    cc = device_capability[0] * 10 + device_capability[1]
-    if pack_gqa is None:
-        pack_gqa = heuristics.get_pack_gqa(cc, nheads, nheads_k, seqlen_q, tile.block_m)
-    elif nheads == nheads_k:
-        pack_gqa = False  # one head per group: the packed kernel computes the same thing
-    spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, bool(pack_gqa))
+    cc = device.capability[0] * 10 + device.capability[1]
     qhead_per_khead = nheads // nheads_k
-    rows = seqlen_q * qhead_per_khead if spec.pack_gqa else seqlen_q
-    grid = (
-        max(1, -(-rows // tile.block_m)),
-        nheads_k if spec.pack_gqa else nheads,
-        batch,
-    )
-    return FwdPlan(spec, tile, grid, window_left, window_right)
+    default_tile = fwd_tile(family, arch, d_instance, mask)
+
+    if nheads == nheads_k:
+        pack = False  # one head per group: the packed kernel computes the same thing
+    elif pack_gqa is None:
+        pack = heuristics.get_pack_gqa(
+            cc, nheads, nheads_k, seqlen_q, default_tile.block_m, paged_kv_without_tma=paged,
+            num_splits=num_splits,
+        )
+    else:
+        pack = bool(pack_gqa)
+    rows = seqlen_q * qhead_per_khead if pack else seqlen_q
+    decode = rows <= DECODE_MAX_ROWS
+    tile = fwd_tile(family, arch, d_instance, mask, decode)
+    heads = nheads_k if pack else nheads
+    m_blocks = max(1, -(-rows // tile.block_m))
+
+    n_blocks = max(1, -(-seqlen_k // tile.block_n))
+    if num_splits == 0:
+        slots = device.num_sms * tile.ctas_per_sm(d_instance, device.smem_per_sm)
+        num_splits = heuristics.num_splits_heuristic(
+            m_blocks * heads * batch, slots, n_blocks, m_blocks,
+            seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
+        )
+    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
+        # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
+        return plan_fwd(
+            dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
+            softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
+            family=family,
+        )
+    spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode)
+    grid = (m_blocks, heads, batch * num_splits)
+    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)

@@ -8,6 +8,10 @@ import torch
 
 from .. import config
 from . import params as params_mod
+from ..generator import matrix
+from ..generator.spec import KernelSpec
+from ..generator.tiles import ROW_KERNEL_WARPS
+from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .launch import get_kernel
 
@@ -73,8 +77,6 @@ def _check_options(dropout_p, softmax_scale, window_size, softcap, num_splits) -
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic), got {num_splits!r}")
-    if num_splits > 1:
-        raise NotImplementedError("num_splits > 1 (split-KV) is not supported yet; use 0 or 1")
 
 
 def _check_alibi(alibi_slopes, q: torch.Tensor) -> None:
@@ -102,8 +104,98 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa):
-    """Validated forward: returns (out, softmax_lse)."""
+_LOG2E = 1.4426950408889634
+_COMBINE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index: int) -> None:
+    kernel = get_kernel(spec, smem_bytes, num_threads)
+    if torch.cuda.current_device() != index:
+        with torch.cuda.device(index):
+            kernel.prepare(index)
+            kernel.launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+    else:
+        kernel.prepare(index)
+        kernel.launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+
+
+def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_partial_strides,
+                   out_strides, lse_strides, num_splits, batch, seqlen, nheads, head_dim) -> None:
+    """Merge split-KV partials. Strides are (split, batch, row, head) for partials and
+    (batch, row, head) for outputs, in elements."""
+    index = device_index(out)
+    arch = matrix.target_arch(*device_info(index).capability)
+    spec = KernelSpec("combine", matrix.family_for(arch), arch, _COMBINE_DTYPES[out.dtype])
+    values = dict(
+        out_partial_ptr=out_partial.data_ptr(), lse_partial_ptr=lse_partial.data_ptr(),
+        out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
+        num_splits=num_splits, batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,
+    )
+    for prefix, names, strides in (
+        ("out_partial", ("split", "batch", "row", "head"), partial_strides),
+        ("lse_partial", ("split", "batch", "row", "head"), lse_partial_strides),
+        ("out", ("batch", "row", "head"), out_strides),
+        ("lse", ("batch", "row", "head"), lse_strides),
+    ):
+        values.update({f"{prefix}_{n}_stride": st for n, st in zip(names, strides)})
+    rows = batch * seqlen * nheads
+    grid = (-(-rows // ROW_KERNEL_WARPS), 1, 1)
+    _launch(spec, 0, ROW_KERNEL_WARPS * 32, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index)
+
+
+def run_fwd(
+    plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
+    seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
+    page_size=1, kv_batch=None,
+) -> None:
+    """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[2]
+    has_softcap = softcap > 0
+    splits = plan.num_splits
+    if splits > 1:
+        oaccum = torch.empty((splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
+        lseaccum = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    else:
+        oaccum = lseaccum = None
+    packed = params_mod.pack_fwd_values(
+        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=out.data_ptr(),
+        lse_ptr=lse.data_ptr(),
+        alibi_slopes_ptr=alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
+        seqused_k_ptr=seqused_k.data_ptr() if seqused_k is not None else 0,
+        leftpad_k_ptr=leftpad_k.data_ptr() if leftpad_k is not None else 0,
+        kv_batch_idx_ptr=kv_batch_idx.data_ptr() if kv_batch_idx is not None else 0,
+        block_table_ptr=block_table.data_ptr() if block_table is not None else 0,
+        oaccum_ptr=oaccum.data_ptr() if oaccum is not None else 0,
+        lseaccum_ptr=lseaccum.data_ptr() if lseaccum is not None else 0,
+        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), o_strides=out.stride(),
+        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_k_new=seqlen_k_new,
+        kv_batch=kv_batch if kv_batch is not None else k.shape[0], num_splits=splits,
+        nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        window_left=plan.window_left, window_right=plan.window_right,
+        qhead_per_khead=nheads // nheads_k, page_size=page_size,
+        scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
+        softmax_scale=softmax_scale,
+        softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
+        softcap=float(softcap),
+        alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
+    )
+    index = device_index(q)
+    _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
+    if splits > 1:
+        launch_combine(
+            oaccum, lseaccum, out, lse,
+            partial_strides=(batch * seqlen_q * nheads * head_dim, seqlen_q * nheads * head_dim, nheads * head_dim, head_dim),
+            lse_partial_strides=(batch * nheads * seqlen_q, nheads * seqlen_q, 1, seqlen_q),
+            out_strides=out.stride()[:3], lse_strides=(nheads * seqlen_q, 1, seqlen_q),
+            num_splits=splits, batch=batch, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
+        )
+
+
+def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits):
+    """Validated dense forward: returns (out, softmax_lse)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -112,56 +204,39 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
         return out, lse
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
-        softcap=float(softcap), pack_gqa=pack_gqa,
-        device_capability=torch.cuda.get_device_capability(device_index),
-        family=config.forced_family(),
+        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(device_index(q)),
+        num_splits=num_splits, family=config.forced_family(),
     )
-    if plan.grid[1] > _GRID_YZ_LIMIT:
-        raise ValueError(f"nheads must be at most {_GRID_YZ_LIMIT}, got {plan.grid[1]}")
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    log2e = 1.4426950408889634
-    has_softcap = softcap > 0
-    if alibi_slopes is not None:
-        alibi_ptr = alibi_slopes.data_ptr()
-        alibi_batch_stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
-    else:
-        alibi_ptr, alibi_batch_stride = 0, 0
-    packed = params_mod.pack_fwd_values(
-        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=out.data_ptr(),
-        lse_ptr=lse.data_ptr(), alibi_slopes_ptr=alibi_ptr,
-        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), o_strides=out.stride(),
-        alibi_batch_stride=alibi_batch_stride,
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-        head_dim=head_dim, window_left=plan.window_left, window_right=plan.window_right,
-        qhead_per_khead=nheads // nheads_k,
-        scale_log2=log2e if has_softcap else softmax_scale * log2e,
-        softmax_scale=softmax_scale,
-        softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
-        softcap=float(softcap),
-        alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
-    )
-    kernel = get_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads)
-    with torch.cuda.device(device_index):
-        kernel.prepare(device_index)
-        kernel.launch(plan.grid, torch.cuda.current_stream(device_index).cuda_stream, packed)
+    _check_grid(plan)
+    run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
+            softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k)
     return out, lse
+
+
+def _check_grid(plan: FwdPlan) -> None:
+    if plan.grid[1] > _GRID_YZ_LIMIT:
+        raise ValueError(f"the number of heads must be at most {_GRID_YZ_LIMIT}, got {plan.grid[1]}")
+    if plan.grid[2] > _GRID_YZ_LIMIT:
+        raise ValueError(
+            f"batch * num_splits must be at most {_GRID_YZ_LIMIT}, got {plan.grid[2]} "
+            f"({plan.num_splits} splits); pass a smaller num_splits"
+        )
 
 
 class _FlashAttnForwardOnly(torch.autograd.Function):
     """Autograd node for inputs that require grad, until the backward pass exists."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa):
-        out, lse = _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa)
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits):
+        out, lse = _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse):  # noqa: ARG004
         raise NotImplementedError("flashgen has no backward pass yet (tracked by the backward issue)")
 
 
@@ -179,7 +254,8 @@ def flash_attn_func(
     _check_alibi(alibi_slopes, q)
     if pack_gqa not in (None, True, False):
         raise ValueError(f"pack_gqa must be None (automatic), True or False, got {pack_gqa!r}")
-    args = (q, k, v, softmax_scale, bool(causal), tuple(window_size), float(softcap), alibi_slopes, pack_gqa)
+    args = (q, k, v, softmax_scale, bool(causal), tuple(window_size), float(softcap), alibi_slopes, pack_gqa,
+            int(num_splits))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttnForwardOnly.apply(*args)
     else:

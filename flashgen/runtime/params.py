@@ -38,6 +38,12 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("o_ptr", "ptr", "output, same layout as q"),
     Field("lse_ptr", "ptr", "float softmax_lse (batch, nheads, seqlen_q), natural log"),
     Field("alibi_slopes_ptr", "ptr", "float ALiBi slopes (batch?, nheads), or null"),
+    Field("seqused_k_ptr", "ptr", "int32 (batch,): keys in use per batch element (cache_seqlens), or null"),
+    Field("leftpad_k_ptr", "ptr", "int32 (batch,): first valid key per batch element, or null"),
+    Field("kv_batch_idx_ptr", "ptr", "int32 (batch,): K/V batch row of each batch element, or null"),
+    Field("block_table_ptr", "ptr", "int32 (batch, max_pages): paged K/V (k/v are (pages, page_size, hk, d)), or null"),
+    Field("oaccum_ptr", "ptr", "float partial O, contiguous (num_splits, batch, seqlen_q, nheads, head_dim)"),
+    Field("lseaccum_ptr", "ptr", "float partial lse, contiguous (num_splits, batch, nheads, seqlen_q)"),
     Field("q_batch_stride", "i64", "elements"),
     Field("q_row_stride", "i64", "elements"),
     Field("q_head_stride", "i64", "elements"),
@@ -51,20 +57,80 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("o_row_stride", "i64", "elements"),
     Field("o_head_stride", "i64", "elements"),
     Field("alibi_batch_stride", "i64", "elements; 0 when slopes are (nheads,)"),
+    Field("block_table_batch_stride", "i64", "elements"),
     Field("batch", "i32", ""),
     Field("seqlen_q", "i32", ""),
-    Field("seqlen_k", "i32", ""),
+    Field("seqlen_k", "i32", "keys, or with seqused_k the capacity of a K/V row (reads never pass it)"),
+    Field("seqlen_k_new", "i32", "keys appended by this call: a batch element uses seqused_k[b] + this"),
+    Field("kv_batch", "i32", "K/V batch rows (or pages when paged): indices outside are treated as empty"),
+    Field("num_splits", "i32", "split-KV: > 1 writes partials to oaccum/lseaccum"),
     Field("nheads", "i32", "query heads"),
     Field("nheads_k", "i32", "key/value heads"),
     Field("head_dim", "i32", "actual head dim (<= the instance's), a multiple of 8"),
     Field("window_left", "i32", "local: keys visible left of the diagonal (>= 0)"),
     Field("window_right", "i32", "causal/local: keys visible right of the diagonal (>= 0)"),
     Field("qhead_per_khead", "divmod", "nheads / nheads_k"),
+    Field("page_size", "divmod", "rows per page when paged (1 otherwise)"),
     Field("scale_log2", "f32", "log2(e) times the scale of the scores the softmax sees"),
     Field("softmax_scale", "f32", ""),
     Field("softcap_scale", "f32", "softmax_scale / softcap"),
     Field("softcap", "f32", "0 when off"),
     Field("alibi_scale", "f32", "ALiBi slope multiplier into score units"),
+)
+
+
+def _strided(prefix: str, dims: Sequence[str], doc: str) -> tuple[Field, ...]:
+    return tuple(Field(f"{prefix}_{dim}_stride", "i64", doc) for dim in dims)
+
+
+COMBINE_PARAMS: tuple[Field, ...] = (
+    Field("out_partial_ptr", "ptr", "float (num_splits, batch, seqlen, nheads, head_dim), last dim contiguous"),
+    Field("lse_partial_ptr", "ptr", "float (num_splits, batch, seqlen, nheads)"),
+    Field("out_ptr", "ptr", "out dtype (batch, seqlen, nheads, head_dim), last dim contiguous"),
+    Field("lse_ptr", "ptr", "float (batch, seqlen, nheads)"),
+    *_strided("out_partial", ("split", "batch", "row", "head"), "elements"),
+    *_strided("lse_partial", ("split", "batch", "row", "head"), "elements"),
+    *_strided("out", ("batch", "row", "head"), "elements"),
+    *_strided("lse", ("batch", "row", "head"), "elements"),
+    Field("num_splits", "i32", ""),
+    Field("batch", "i32", ""),
+    Field("seqlen", "i32", ""),
+    Field("nheads", "i32", ""),
+    Field("head_dim", "i32", "a multiple of 4"),
+)
+
+APPEND_PARAMS: tuple[Field, ...] = (
+    Field("q_ptr", "ptr", "(batch, seqlen_q, nheads, d)"),
+    Field("q_out_ptr", "ptr", "rotated q, same shape"),
+    Field("k_new_ptr", "ptr", "(batch, seqlen_new, nheads_k, d)"),
+    Field("v_new_ptr", "ptr", "(batch, seqlen_new, nheads_k, d)"),
+    Field("k_cache_ptr", "ptr", "(batch_cache, capacity, nheads_k, d) or (pages, page_size, nheads_k, d)"),
+    Field("v_cache_ptr", "ptr", "same as k_cache"),
+    Field("cos_ptr", "ptr", "float (seqlen_ro, rotary_dim / 2), contiguous"),
+    Field("sin_ptr", "ptr", "float (seqlen_ro, rotary_dim / 2), contiguous"),
+    Field("cache_seqlens_ptr", "ptr", "int32 (batch,)"),
+    Field("cache_batch_idx_ptr", "ptr", "int32 (batch,), or null"),
+    Field("block_table_ptr", "ptr", "int32 (batch, max_pages), or null"),
+    *_strided("q", ("batch", "row", "head"), "elements"),
+    *_strided("q_out", ("batch", "row", "head"), "elements"),
+    *_strided("k_new", ("batch", "row", "head"), "elements"),
+    *_strided("v_new", ("batch", "row", "head"), "elements"),
+    *_strided("k_cache", ("batch", "row", "head"), "elements; batch = page when paged"),
+    *_strided("v_cache", ("batch", "row", "head"), "elements; batch = page when paged"),
+    Field("block_table_batch_stride", "i64", "elements"),
+    Field("batch", "i32", ""),
+    Field("seqlen_q", "i32", ""),
+    Field("seqlen_new", "i32", ""),
+    Field("nheads", "i32", ""),
+    Field("nheads_k", "i32", ""),
+    Field("head_dim", "i32", ""),
+    Field("rotary_dim", "i32", "even, <= head_dim; 0 = no rotary"),
+    Field("seqlen_ro", "i32", "rows of the cos/sin tables"),
+    Field("cache_capacity", "i32", "positions per cache row (max_pages * page_size when paged)"),
+    Field("cache_batch", "i32", "cache rows (pages when paged)"),
+    Field("rotary_interleaved", "i32", "1: GPT-J pairs (2j, 2j+1); 0: GPT-NeoX (j, j + rotary_dim/2)"),
+    Field("q_rotary_per_row", "i32", "1 (causal/local): q row i at cache_seqlens + i; 0: all at cache_seqlens"),
+    Field("page_size", "divmod", ""),
 )
 
 
@@ -100,9 +166,11 @@ def compute_layout(fields: Sequence[Field]) -> Layout:
 
 
 FWD_LAYOUT = compute_layout(FWD_PARAMS)
-_FWD_STRUCT = struct.Struct(FWD_LAYOUT.fmt)
-assert _FWD_STRUCT.size == FWD_LAYOUT.size
-FWD_FIELD_NAMES = tuple(f.name for f in FWD_PARAMS)
+COMBINE_LAYOUT = compute_layout(COMBINE_PARAMS)
+APPEND_LAYOUT = compute_layout(APPEND_PARAMS)
+# Struct name on the device -> layout; rendered into flash_params.cuh in this order.
+LAYOUTS = {"FwdParams": FWD_LAYOUT, "CombineParams": COMBINE_LAYOUT, "AppendParams": APPEND_LAYOUT}
+_STRUCTS = {id(layout): struct.Struct(layout.fmt) for layout in LAYOUTS.values()}
 
 
 def fast_divmod(divisor: int) -> tuple[int, int, int]:
@@ -115,27 +183,30 @@ def fast_divmod(divisor: int) -> tuple[int, int, int]:
     return divisor, multiplier, shift
 
 
+_fast_divmod_cached = functools.lru_cache(maxsize=256)(fast_divmod)
+
+
 def fast_div(n: int, divmod_value: tuple[int, int, int]) -> int:
     """Host emulation of the device's FastDivmod::div (for tests)."""
     _, multiplier, shift = divmod_value
     return (((n * multiplier) >> 32) + n) >> shift
 
 
-def pack_fwd(values: dict) -> bytes:
-    """Pack a Params instance. Values are flat; a divmod field takes a 3-tuple."""
+def pack(layout: Layout, values: dict) -> bytes:
+    """Pack a Params instance by field name. A divmod field takes a (divisor, multiplier, shift)
+    tuple or a plain divisor."""
     flat = []
-    for f in FWD_PARAMS:
+    for f in layout.fields:
         v = values[f.name]
         if f.kind == "divmod":
-            flat.extend(v)
+            flat.extend(_fast_divmod_cached(v) if isinstance(v, int) else v)
         else:
             flat.append(v)
-    return _FWD_STRUCT.pack(*flat)
+    return _STRUCTS[id(layout)].pack(*flat)
 
 
-def pack_fwd_into(buffer, values: Sequence) -> None:
-    """Hot-path packing: ``values`` already flat, in FWD_PARAMS order (divmod fields expanded)."""
-    _FWD_STRUCT.pack_into(buffer, 0, *values)
+def pack_fwd(values: dict) -> bytes:
+    return pack(FWD_LAYOUT, values)
 
 
 def render_struct(name: str, layout: Layout) -> str:
@@ -155,15 +226,14 @@ def render_struct(name: str, layout: Layout) -> str:
     return "\n".join(lines)
 
 
-_fast_divmod_cached = functools.lru_cache(maxsize=256)(fast_divmod)
-
-
-def pack_fwd_values(*, q_strides, k_strides, v_strides, o_strides, qhead_per_khead: int, **scalars) -> bytes:
+def pack_fwd_values(*, q_strides, k_strides, v_strides, o_strides, qhead_per_khead: int, page_size: int = 1,
+                    **scalars) -> bytes:
     """Pack the forward Params from tensor strides (batch, row, head, ...) and scalar fields."""
     values = scalars
     for prefix, strides in (("q", q_strides), ("k", k_strides), ("v", v_strides), ("o", o_strides)):
         values[f"{prefix}_batch_stride"] = strides[0]
         values[f"{prefix}_row_stride"] = strides[1]
         values[f"{prefix}_head_stride"] = strides[2]
-    values["qhead_per_khead"] = _fast_divmod_cached(qhead_per_khead)
-    return pack_fwd(values)
+    values["qhead_per_khead"] = qhead_per_khead
+    values["page_size"] = page_size
+    return pack(FWD_LAYOUT, values)

@@ -19,7 +19,7 @@ namespace flashgen {
 enum class Mask { None, Causal, Local };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, Mask kMask_,
-          bool kSoftcap_, bool kPackGQA_>
+          bool kSoftcap_, bool kPackGQA_, bool kPaged_>
 struct FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -30,6 +30,7 @@ struct FwdTraits {
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kPackGQA = kPackGQA_;
+    static constexpr bool kPaged = kPaged_;  // K/V rows through a page table
 
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kWarpM = kBlockM / kNWarps;  // query rows per warp
@@ -230,12 +231,27 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     // Under a causal/local mask the last query blocks see the most keys: start them first.
     int const m_block = kMasked ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     int const bidh = blockIdx.y;  // query head, or KV head under PackGQA
-    int const bidb = blockIdx.z;
+    // blockIdx.z enumerates (batch, split) pairs; without split-KV num_splits is 1.
+    int const num_splits = params.num_splits;
+    int const bidb = int(blockIdx.z) / num_splits;
+    int const split = int(blockIdx.z) - bidb * num_splits;
     FastDivmod const qhpk = params.qhead_per_khead;
     int const bidh_kv = Tr::kPackGQA ? bidh : qhpk.div(bidh);
     int const seqlen_q = params.seqlen_q;
-    int const seqlen_k = params.seqlen_k;
     int const head_dim = params.head_dim;
+
+    // Keys of this batch element: [leftpad, used) of its K/V row, never past the row's capacity,
+    // and an out-of-range K/V batch index reads nothing. Values come from the caller's tensors, so
+    // they are clamped here rather than trusted.
+    const int* seqused = reinterpret_cast<const int*>(params.seqused_k_ptr);
+    const int* leftpad_ptr = reinterpret_cast<const int*>(params.leftpad_k_ptr);
+    const int* kv_batch_idx = reinterpret_cast<const int*>(params.kv_batch_idx_ptr);
+    const int* block_table = reinterpret_cast<const int*>(params.block_table_ptr);
+    int const leftpad = leftpad_ptr != nullptr ? max(leftpad_ptr[bidb], 0) : 0;
+    int const used = seqused != nullptr ? seqused[bidb] + params.seqlen_k_new : params.seqlen_k;
+    int const kv_b = kv_batch_idx != nullptr ? kv_batch_idx[bidb] : bidb;
+    bool const kv_b_valid = Tr::kPaged || (kv_b >= 0 && kv_b < params.kv_batch);
+    int const seqlen_k = kv_b_valid ? max(min(used, params.seqlen_k) - leftpad, 0) : 0;
     // Packed rows: row r is query position r / qhpk of head bidh * qhpk + r % qhpk.
     int const rows_total = Tr::kPackGQA ? seqlen_q * qhpk.divisor : seqlen_q;
     int const row_start = m_block * kBlockM;
@@ -262,6 +278,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             n_block_mask_left = left_last <= 0 ? 0 : (left_last + kBlockN - 1) / kBlockN;
         }
     }
+    if (num_splits > 1) {  // this split's share of the key blocks
+        int const per_split = ((seqlen_k + kBlockN - 1) / kBlockN + num_splits - 1) / num_splits;
+        n_block_min = max(n_block_min, split * per_split);
+        n_block_max = min(n_block_max, (split + 1) * per_split);
+    }
 
     // ---- Prologue: Q and the first K block in flight.
     const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride;
@@ -277,17 +298,36 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             return q_base + row * params.q_row_stride + bidh * params.q_head_stride;
         }
     });
-    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + bidb * params.k_batch_stride +
-                      bidh_kv * params.k_head_stride;
-    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride +
-                      bidh_kv * params.v_head_stride;
-    auto load_kv = [&](T* smem, const T* base, int64_t row_stride, int n_block) {
+    // K/V rows: key j of this batch element is row leftpad + j of its K/V row, or, when paged,
+    // row (leftpad + j) % page_size of page block_table[b][(leftpad + j) / page_size].
+    int64_t const kv_row0 = Tr::kPaged ? 0 : int64_t(kv_b) * params.k_batch_stride + leftpad * params.k_row_stride;
+    int64_t const v_row0 = Tr::kPaged ? 0 : int64_t(kv_b) * params.v_batch_stride + leftpad * params.v_row_stride;
+    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + kv_row0 + bidh_kv * params.k_head_stride;
+    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + v_row0 + bidh_kv * params.v_head_stride;
+    const int* pages = block_table + bidb * params.block_table_batch_stride;
+    auto load_kv = [&](T* smem, const T* base, int64_t page_stride, int64_t row_stride, int n_block) {
         int const first = n_block * kBlockN;
         copy_rows_async<KVCopy>(smem, kStride, head_dim, tid, [&](int r) -> const T* {
-            return first + r < seqlen_k ? base + (first + r) * row_stride : nullptr;
+            int const key = first + r;
+            if (key >= seqlen_k) return nullptr;
+            if constexpr (!Tr::kPaged) {
+                return base + key * row_stride;
+            } else {
+                int offset;
+                int const page_idx = params.page_size.divmod(offset, leftpad + key);
+                int const page = pages[page_idx];
+                if (page < 0 || page >= params.kv_batch) return nullptr;
+                return base + page * page_stride + offset * row_stride;
+            }
         });
     };
-    if (n_block_max > n_block_min) load_kv(sK, k_base, params.k_row_stride, n_block_max - 1);
+    auto load_k = [&](int n_block) {
+        load_kv(sK, k_base, params.k_batch_stride, params.k_row_stride, n_block);
+    };
+    auto load_v = [&](int n_block) {
+        load_kv(sV, v_base, params.v_batch_stride, params.v_row_stride, n_block);
+    };
+    if (n_block_max > n_block_min) load_k(n_block_max - 1);
     cp_async_commit();
 
     // ---- Per-row state. Thread owns rows (warp, mi, half): lane / 4 + 8 * half of each m16 tile.
@@ -333,7 +373,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
         cp_async_wait<0>();
         __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
-        load_kv(sV, v_base, params.v_row_stride, n_block);
+        load_v(n_block);
         cp_async_commit();
 
         float s[kMI][kNI][4];
@@ -431,40 +471,63 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
-        if (n_block > n_block_min) load_kv(sK, k_base, params.k_row_stride, n_block - 1);
+        if (n_block > n_block_min) load_k(n_block - 1);
         cp_async_commit();
         gemm_pv<Tr>(acc_o, p, sV_addr, lane);
     }
 
-    // ---- Epilogue: normalize, stage O through shared memory for 16-byte stores, write lse.
+    // ---- Epilogue. Rows are normalized; a row that saw no key gets 0 and lse -inf, never NaN.
+    // Without split-KV, O is staged through shared memory for 16-byte stores. With it, each split
+    // writes fp32 partials and its lse straight from registers, for the combine kernel.
     cp_async_wait<0>();
     __syncthreads();  // no copy in flight, no warp still reading sQ/sV
+    bool const write_partial = num_splits > 1;
     float* lse_out = reinterpret_cast<float*>(params.lse_ptr);
+    float* oaccum = reinterpret_cast<float*>(params.oaccum_ptr);
+    float* lseaccum = reinterpret_cast<float*>(params.lseaccum_ptr);
+    int64_t const split_batch = int64_t(split) * params.batch + bidb;
 #pragma unroll
     for (int mi = 0; mi < kMI; ++mi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[mi][half]);
-            // sum == 0 only when the row saw no key: output 0 and lse -inf, never NaN.
             float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            float const lse = sum > 0.f
+                ? (row_max[mi][half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
+                : -kInfinity;
             int const r = warp_row0 + mi * 16 + lane / 4 + half * 8;
-#pragma unroll
-            for (int di = 0; di < kDI; ++di) {
-                *reinterpret_cast<uint32_t*>(sQ + r * kStride + di * 8 + 2 * (lane % 4)) =
-                    Element::pack2(acc_o[mi][di][2 * half] * inv_sum,
-                                   acc_o[mi][di][2 * half + 1] * inv_sum);
-            }
             int const row = row_start + r;
-            if (lane % 4 == 0 && row < rows_total) {
-                int head = bidh;
-                if constexpr (Tr::kPackGQA) head = bidh * qhpk.divisor + (row - row_pos[mi][half] * qhpk.divisor);
-                float const lse = sum > 0.f
-                    ? (row_max[mi][half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
-                    : -kInfinity;
-                lse_out[(int64_t(bidb) * params.nheads + head) * seqlen_q + row_pos[mi][half]] = lse;
+            int const m = row_pos[mi][half];
+            int const head = Tr::kPackGQA ? bidh * qhpk.divisor + (row - m * qhpk.divisor) : bidh;
+            if (write_partial) {
+                if (row < rows_total) {
+                    float* o_row = oaccum + ((split_batch * seqlen_q + m) * params.nheads + head) * head_dim;
+#pragma unroll
+                    for (int di = 0; di < kDI; ++di) {
+                        int const col = di * 8 + 2 * (lane % 4);
+                        if (col < head_dim) {
+                            *reinterpret_cast<float2*>(o_row + col) = make_float2(
+                                acc_o[mi][di][2 * half] * inv_sum, acc_o[mi][di][2 * half + 1] * inv_sum);
+                        }
+                    }
+                    if (lane % 4 == 0) {
+                        lseaccum[(split_batch * params.nheads + head) * seqlen_q + m] = lse;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int di = 0; di < kDI; ++di) {
+                    *reinterpret_cast<uint32_t*>(sQ + r * kStride + di * 8 + 2 * (lane % 4)) =
+                        Element::pack2(acc_o[mi][di][2 * half] * inv_sum,
+                                       acc_o[mi][di][2 * half + 1] * inv_sum);
+                }
+                if (lane % 4 == 0 && row < rows_total) {
+                    lse_out[(int64_t(bidb) * params.nheads + head) * seqlen_q + m] = lse;
+                }
             }
         }
     }
+    if (write_partial) return;
     __syncthreads();
     T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride;
     store_rows<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> T* {

@@ -1,0 +1,4 @@
+"""`python -m flashgen` runs the CLI (handy where the console script is not installed)."""
+from .cli import main
+
+main()
