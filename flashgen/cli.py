@@ -1,7 +1,7 @@
-"""The ``flashgen`` command: list the matrix, emit generated/, build the cache, diagnose, demo.
+"""The ``flashgen`` command: list the matrix, emit generated/, build the cache, diagnose, demo, bench.
 
-torch and the runtime are imported only inside the commands that need them (doctor, demo, and
-build without --arch).
+torch and the runtime are imported only inside the commands that need them (doctor, demo, bench,
+and build without --arch).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from . import config
+from .bench import settings as bench_settings
 from .generator import cache, matrix, nvrtc, render
 from .generator.spec import DIRECTIONS, KernelSpec
 
@@ -439,6 +440,127 @@ def demo(ctx: click.Context, jobs: int) -> None:
         ctx.exit(1)
     click.echo("No NVIDIA GPU found (torch.cuda.is_available() is False): "
                "kernels were compiled, none was run.")
+
+
+def _list_option(name: str, parse, help_text: str, metavar: str = "LIST"):
+    """A comma-separated option; ``parse`` turns each item into its value or raises ValueError."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None):
+        if value is None:
+            return None
+        try:
+            items = tuple(parse(item.strip()) for item in value.split(",") if item.strip())
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        if not items:
+            raise click.BadParameter("give at least one value")
+        return items
+
+    return click.option(name, callback=callback, metavar=metavar, help=help_text)
+
+
+def _choice(choices):
+    def parse(item: str) -> str:
+        if item not in choices:
+            raise ValueError(f"{item!r} is not one of {', '.join(choices)}")
+        return item
+
+    return parse
+
+
+def _positive_int(item: str) -> int:
+    if not item.isdigit() or int(item) < 1:
+        raise ValueError(f"{item!r} is not a positive integer")
+    return int(item)
+
+
+def _layout(item: str) -> str:
+    bench_settings.parse_layout(item)
+    return item
+
+
+def _defaults(field: str) -> str:
+    """The full and --quick defaults of a list option, for its help."""
+    def text(value):
+        if not isinstance(value, tuple):
+            return str(value)
+        return ",".join("/".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)
+
+    full, quick = text(bench_settings.FULL[field]), text(bench_settings.QUICK[field])
+    return f" [default: {full}]" if full == quick else f" [default: {full}; --quick: {quick}]"
+
+
+@cli.command("bench")
+@click.argument("suites", nargs=-1, type=click.Choice(bench_settings.SUITES))
+@click.option("--quick", is_flag=True, help="A small representative subset of every suite.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Results folder [default: benchmarks/results/<date>-<gpu>].")
+@_list_option("--peers", _choice(bench_settings.PEERS),
+              f"Peers to run next to flashgen [default: {','.join(bench_settings.PEERS)}].")
+@_list_option("--dtypes", _choice(bench_settings.DTYPES), "prefill, decode: bf16, fp16." + _defaults("dtypes"))
+@_list_option("--modes", _choice(bench_settings.MODES), "prefill: fwd, fwd_bwd." + _defaults("modes"))
+@_list_option("--head-dims", _positive_int, "prefill: head dims." + _defaults("head_dims"))
+@_list_option("--seqlens", _positive_int, "prefill: sequence lengths." + _defaults("seqlens"))
+@_list_option("--masks", _choice(bench_settings.MASKS), "prefill: none, causal." + _defaults("masks"))
+@_list_option("--gqa", _positive_int, "prefill: query heads per KV head, 1 is MHA." + _defaults("gqa"))
+@click.option("--tokens", type=click.IntRange(min=1), help=f"prefill: batch x seqlen [default: {bench_settings.TOKENS}].")
+@click.option("--hidden", type=click.IntRange(min=1), help=f"prefill: nheads x head dim [default: {bench_settings.HIDDEN}].")
+@click.option("--flex-static", "flex_dynamic", flag_value=False, default=None,
+              help="prefill: compile FlexAttention for each shape instead of once with dynamic shapes.")
+@_list_option("--query-lens", _positive_int, "decode: new tokens per sequence." + _defaults("query_lens"))
+@_list_option("--contexts", _positive_int, "decode: keys in the cache." + _defaults("contexts"))
+@_list_option("--batches", _positive_int, "decode: batch sizes." + _defaults("batches"))
+@_list_option("--layouts", _layout, "decode: contiguous, pagedN (N keys per page)." + _defaults("layouts"))
+@_list_option("--heads", bench_settings.parse_heads, "decode: query/KV heads." + _defaults("heads"), metavar="Q/KV,...")
+@_list_option("--decode-head-dims", _positive_int, "decode: head dims." + _defaults("decode_head_dims"))
+@click.option("--max-kv-gib", type=click.FloatRange(min=0),
+              help="decode: skip configs whose K+V cache is larger [default: 32].")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+              help="compile: processes for the matrix build.")
+@click.option("--cold-count", type=click.IntRange(min=1), help="compile: instances compiled cold, one at a time."
+              + _defaults("cold_count"))
+@click.option("--warm-runs", type=click.IntRange(min=1), help="compile: fresh processes for the warm load [default: 3].")
+@click.option("--matrix-filter", metavar="TEXT",
+              help="compile: build only URIs containing TEXT ('' for all) [default: all; --quick: hdim128_bf16].")
+@click.option("--no-plots", is_flag=True, help="Write no PNG plots.")
+@click.pass_context
+def bench_command(ctx: click.Context, suites: tuple[str, ...], quick: bool, out: Path | None, no_plots: bool,
+                  **options) -> None:
+    """Benchmark flashgen next to PyTorch SDPA (FA2, cuDNN and efficient backends) and FlexAttention,
+    plus flash-attn and FlashInfer when they are installed, in one run.
+
+    \b
+    SUITES (default: all):
+      prefill  forward and forward+backward TFLOP/s on FlashAttention's shapes
+               (batch x seqlen = 16k tokens, hidden 2048), causal or not, MHA or GQA
+      decode   flash_attn_with_kvcache: new tokens against a long cache, contiguous
+               or paged; us per call (eager, and CUDA-graph replays under 100 us)
+               and TB/s of K+V read against the measured copy bandwidth
+      compile  cold NVRTC compile per instance, warm cache load in a fresh process,
+               the matrix with -j N, host time per call next to SDPA's
+
+    Every flashgen output is checked once per config against a reference before it is timed; a
+    peer that is missing or refuses a config is skipped with the reason.  The header gives the
+    GPU, its clocks and the measured matmul and copy ceilings.  report.txt, results.json and PNG
+    plots (with the 'bench' extra, matplotlib) go to --out.  The defaults take a few minutes on
+    an H200; list options (comma-separated) widen any axis.  Exits with 1 when a flashgen check or
+    compile fails.
+    """
+    from .bench import report, suites as bench_suites
+
+    settings = bench_settings.resolve(quick, suites=suites or None, **options)
+    results = bench_suites.run(settings, progress=lambda message: click.echo(message, err=True))
+    text = report.render(results)
+    click.echo(text, nl=False)
+    paths, plot_notes = report.write(results, text, out or report.default_out_dir(results), plots=not no_plots)
+    for note in plot_notes:
+        click.echo(f"note: {note}")
+    click.echo(f"wrote {', '.join(map(str, paths))}")
+    failed = report.failures(results)
+    for failure in failed:
+        click.echo(f"FAILED {failure}", err=True)
+    if failed:
+        ctx.exit(1)
 
 
 def main() -> None:

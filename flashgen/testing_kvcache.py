@@ -45,7 +45,9 @@ def apply_rotary_ref(
     Dims from rotary_dim on pass through.
     """
     if cos.shape != sin.shape or cos.dim() != 2:
-        raise ValueError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2); got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must both be (seqlen_ro, rotary_dim / 2); got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     half = cos.shape[1]
     if 2 * half > x.shape[-1]:
         raise ValueError(f"rotary_dim {2 * half} exceeds head_dim {x.shape[-1]}")
@@ -135,8 +137,9 @@ def kvcache_ref(
     seqlens_t = torch.tensor(seqlens, device=device)[:, None]
 
     if rotary_cos is not None:
+        # Query row i sits at cache_seqlens + i when causal or local, else every row at cache_seqlens.
         per_row = causal or tuple(window_size) != (-1, -1)
-        rows = torch.arange(seqlen_q, device=device) if per_row else torch.zeros(seqlen_q, dtype=torch.long, device=device)
+        rows = torch.arange(seqlen_q, device=device) * int(per_row)
         q = apply_rotary_ref(q, rotary_cos, rotary_sin, seqlens_t + rows, rotary_interleaved).to(q.dtype)
         if k is not None:
             new_positions = seqlens_t + torch.arange(seqlen_new, device=device)[None, :]

@@ -243,4 +243,140 @@ static_assert(__builtin_offsetof(AppendParams, q_rotary_per_row) == 284, "Params
 static_assert(__builtin_offsetof(AppendParams, page_size) == 288, "Params layout drift: page_size");
 #endif
 
+struct BwdParams {
+    void* q_ptr;  // (batch, seqlen_q, nheads, d)
+    void* k_ptr;  // (batch, seqlen_k, nheads_k, d)
+    void* v_ptr;  // (batch, seqlen_k, nheads_k, d)
+    void* do_ptr;  // dO, like q
+    void* lse_ptr;  // float (batch, nheads, seqlen_q): the forward's softmax_lse
+    void* dsum_ptr;  // float (batch, nheads, seqlen_q): rowsum(dO * O) from the preprocess
+    void* dq_accum_ptr;  // float (batch, nheads, seqlen_q, head_dim), zeroed by the preprocess
+    void* dk_ptr;  // like k
+    void* dv_ptr;  // like v
+    void* alibi_slopes_ptr;  // float ALiBi slopes (batch?, nheads), or null
+    void* semaphore_ptr;  // int (batch, nheads, query blocks), zeroed: deterministic dQ; null otherwise
+    long long q_batch_stride;  // elements
+    long long q_row_stride;  // elements
+    long long q_head_stride;  // elements
+    long long k_batch_stride;  // elements
+    long long k_row_stride;  // elements
+    long long k_head_stride;  // elements
+    long long v_batch_stride;  // elements
+    long long v_row_stride;  // elements
+    long long v_head_stride;  // elements
+    long long do_batch_stride;  // elements
+    long long do_row_stride;  // elements
+    long long do_head_stride;  // elements
+    long long dk_batch_stride;  // elements
+    long long dk_row_stride;  // elements
+    long long dk_head_stride;  // elements
+    long long dv_batch_stride;  // elements
+    long long dv_row_stride;  // elements
+    long long dv_head_stride;  // elements
+    long long alibi_batch_stride;  // elements; 0 when slopes are (nheads,)
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int nheads;
+    int nheads_k;
+    int head_dim;
+    int window_left;  // as in FwdParams
+    int window_right;  // as in FwdParams
+    float scale_log2;  // as in FwdParams
+    float softmax_scale;
+    float softcap_scale;  // softmax_scale / softcap
+    float softcap;  // 0 when off
+    float alibi_scale;  // as in FwdParams
+};
+static_assert(sizeof(BwdParams) == 296, "Params size drift");
+#if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
+static_assert(__builtin_offsetof(BwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
+static_assert(__builtin_offsetof(BwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
+static_assert(__builtin_offsetof(BwdParams, v_ptr) == 16, "Params layout drift: v_ptr");
+static_assert(__builtin_offsetof(BwdParams, do_ptr) == 24, "Params layout drift: do_ptr");
+static_assert(__builtin_offsetof(BwdParams, lse_ptr) == 32, "Params layout drift: lse_ptr");
+static_assert(__builtin_offsetof(BwdParams, dsum_ptr) == 40, "Params layout drift: dsum_ptr");
+static_assert(__builtin_offsetof(BwdParams, dq_accum_ptr) == 48, "Params layout drift: dq_accum_ptr");
+static_assert(__builtin_offsetof(BwdParams, dk_ptr) == 56, "Params layout drift: dk_ptr");
+static_assert(__builtin_offsetof(BwdParams, dv_ptr) == 64, "Params layout drift: dv_ptr");
+static_assert(__builtin_offsetof(BwdParams, alibi_slopes_ptr) == 72, "Params layout drift: alibi_slopes_ptr");
+static_assert(__builtin_offsetof(BwdParams, semaphore_ptr) == 80, "Params layout drift: semaphore_ptr");
+static_assert(__builtin_offsetof(BwdParams, q_batch_stride) == 88, "Params layout drift: q_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, q_row_stride) == 96, "Params layout drift: q_row_stride");
+static_assert(__builtin_offsetof(BwdParams, q_head_stride) == 104, "Params layout drift: q_head_stride");
+static_assert(__builtin_offsetof(BwdParams, k_batch_stride) == 112, "Params layout drift: k_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, k_row_stride) == 120, "Params layout drift: k_row_stride");
+static_assert(__builtin_offsetof(BwdParams, k_head_stride) == 128, "Params layout drift: k_head_stride");
+static_assert(__builtin_offsetof(BwdParams, v_batch_stride) == 136, "Params layout drift: v_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, v_row_stride) == 144, "Params layout drift: v_row_stride");
+static_assert(__builtin_offsetof(BwdParams, v_head_stride) == 152, "Params layout drift: v_head_stride");
+static_assert(__builtin_offsetof(BwdParams, do_batch_stride) == 160, "Params layout drift: do_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, do_row_stride) == 168, "Params layout drift: do_row_stride");
+static_assert(__builtin_offsetof(BwdParams, do_head_stride) == 176, "Params layout drift: do_head_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_batch_stride) == 184, "Params layout drift: dk_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_row_stride) == 192, "Params layout drift: dk_row_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_head_stride) == 200, "Params layout drift: dk_head_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_batch_stride) == 208, "Params layout drift: dv_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_row_stride) == 216, "Params layout drift: dv_row_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_head_stride) == 224, "Params layout drift: dv_head_stride");
+static_assert(__builtin_offsetof(BwdParams, alibi_batch_stride) == 232, "Params layout drift: alibi_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, batch) == 240, "Params layout drift: batch");
+static_assert(__builtin_offsetof(BwdParams, seqlen_q) == 244, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(BwdParams, seqlen_k) == 248, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(BwdParams, nheads) == 252, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(BwdParams, nheads_k) == 256, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(BwdParams, head_dim) == 260, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(BwdParams, window_left) == 264, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(BwdParams, window_right) == 268, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 272, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(BwdParams, softmax_scale) == 276, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap_scale) == 280, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap) == 284, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 288, "Params layout drift: alibi_scale");
+#endif
+
+struct BwdRowParams {
+    void* o_ptr;  // the forward's output (batch, seqlen_q, nheads, d)
+    void* do_ptr;  // dO, like o
+    void* dsum_ptr;  // float (batch, nheads, seqlen_q)
+    void* dq_accum_ptr;  // float (batch, nheads, seqlen_q, head_dim)
+    void* dq_ptr;  // dQ, like q
+    long long o_batch_stride;  // elements
+    long long o_row_stride;  // elements
+    long long o_head_stride;  // elements
+    long long do_batch_stride;  // elements
+    long long do_row_stride;  // elements
+    long long do_head_stride;  // elements
+    long long dq_batch_stride;  // elements
+    long long dq_row_stride;  // elements
+    long long dq_head_stride;  // elements
+    int batch;
+    int seqlen_q;
+    int nheads;
+    int head_dim;
+    float softmax_scale;  // dQ = softmax_scale * dq_accum
+};
+static_assert(sizeof(BwdRowParams) == 136, "Params size drift");
+#if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
+static_assert(__builtin_offsetof(BwdRowParams, o_ptr) == 0, "Params layout drift: o_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, do_ptr) == 8, "Params layout drift: do_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dsum_ptr) == 16, "Params layout drift: dsum_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dq_accum_ptr) == 24, "Params layout drift: dq_accum_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dq_ptr) == 32, "Params layout drift: dq_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, o_batch_stride) == 40, "Params layout drift: o_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, o_row_stride) == 48, "Params layout drift: o_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, o_head_stride) == 56, "Params layout drift: o_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_batch_stride) == 64, "Params layout drift: do_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_row_stride) == 72, "Params layout drift: do_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_head_stride) == 80, "Params layout drift: do_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_batch_stride) == 88, "Params layout drift: dq_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_row_stride) == 96, "Params layout drift: dq_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_head_stride) == 104, "Params layout drift: dq_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, batch) == 112, "Params layout drift: batch");
+static_assert(__builtin_offsetof(BwdRowParams, seqlen_q) == 116, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(BwdRowParams, nheads) == 120, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(BwdRowParams, head_dim) == 124, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(BwdRowParams, softmax_scale) == 128, "Params layout drift: softmax_scale");
+#endif
+
 }  // namespace flashgen

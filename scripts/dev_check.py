@@ -174,6 +174,78 @@ def kvcache_suite():
     print(f"kvcache: {sum(res)}/{len(res)} ok")
 
 
+def check_bwd(b, sq, sk, h, hk, d, dtype=torch.bfloat16, deterministic=False, **kw):
+    torch.manual_seed(sq + sk + d + h)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    alibi = kw.pop("alibi", None)
+    out = flashgen.flash_attn_func(q, k, v, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+                                   softcap=kw.get("softcap", 0.0), alibi_slopes=alibi, deterministic=deterministic)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    o_ref, _ = ref(qf, kf, vf, alibi=alibi, **kw)
+    dq_r, dk_r, dv_r = torch.autograd.grad(o_ref, (qf, kf, vf), dout.float())
+    qp, kp, vp = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o_pt, _ = ref(qp, kp, vp, alibi=alibi, **kw)
+    dq_p, dk_p, dv_p = torch.autograd.grad(o_pt, (qp, kp, vp), dout.float())
+    errs = []
+    for name, g, r, pt in (("dq", dq, dq_r, dq_p), ("dk", dk, dk_r, dk_p), ("dv", dv, dv_r, dv_p)):
+        e = (g.float() - r).abs().max().item()
+        scale = r.abs().max().item() + 1e-6
+        errs.append(f"{name} {e / scale:.1e}")
+        if not (e / scale < 3e-2) or g.isnan().any():
+            ok = False
+            break
+    else:
+        ok = True
+    if deterministic:
+        for _ in range(3):
+            out2 = flashgen.flash_attn_func(q, k, v, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+                                            softcap=kw.get("softcap", 0.0), alibi_slopes=alibi, deterministic=True)
+            dq2, dk2, dv2 = torch.autograd.grad(out2, (q, k, v), dout)
+            ok &= bool(torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2))
+    print(f"{'OK ' if ok else 'BAD'} bwd b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {dtype} {kw} det={deterministic}: {', '.join(errs)}")
+    return ok
+
+
+def bwd_suite():
+    res = [
+        check_bwd(2, 128, 128, 4, 4, 64),
+        check_bwd(2, 113, 255, 4, 4, 128, causal=True),
+        check_bwd(2, 255, 113, 8, 2, 96, causal=True),
+        check_bwd(1, 300, 300, 8, 1, 192, window=(33, 7)),
+        check_bwd(1, 200, 333, 4, 2, 256, torch.float16, softcap=5.0),
+        check_bwd(1, 200, 333, 4, 4, 72, alibi=torch.rand(4, device="cuda"), causal=True),
+        check_bwd(2, 257, 511, 8, 2, 128, deterministic=True, causal=True),
+        check_bwd(1, 300, 700, 4, 2, 64, deterministic=True, window=(100, 20)),
+    ]
+    print(f"bwd: {sum(res)}/{len(res)} ok")
+
+
+def bench_bwd(d, causal, seqlen=4096):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import triton.testing
+    b, h = 16384 // seqlen, 2048 // d
+    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    out = flashgen.flash_attn_func(q, k, v, causal=causal)
+    flops = 2.5 * 4 * b * h * seqlen * seqlen * d / (2 if causal else 1)
+    t_fg = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), return_mode="median")
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    res = {}
+    for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(be):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                res[name] = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True), return_mode="median")
+        except Exception:
+            res[name] = float("nan")
+    tf = lambda ms: flops / ms / 1e9
+    print(f"bwd d{d} s{seqlen} causal={causal}: flashgen {tf(t_fg):.0f} TF/s, FA2 {tf(res['fa2']):.0f}, cuDNN {tf(res['cudnn']):.0f}; ratio vs FA2 {res['fa2']/t_fg:.2f}")
+
+
 if __name__ == "__main__":
     from cuda.bindings import driver
     import cuda.bindings
@@ -198,6 +270,11 @@ if __name__ == "__main__":
     print(f"{sum(results)}/{len(results)} ok, {time.time() - t:.1f}s")
     if "--kvcache" in sys.argv:
         kvcache_suite()
+    if "--bwd" in sys.argv:
+        bwd_suite()
+        for d in (64, 128):
+            for causal in (False, True):
+                bench_bwd(d, causal)
     if "--bench" in sys.argv:
         for d in (64, 128, 256):
             for causal in (False, True):

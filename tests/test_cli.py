@@ -65,10 +65,10 @@ def test_emit_then_check(tmp_path):
 
 
 def test_build_compiles_then_finds_cached(fake_nvrtc):
-    output = run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
+    output = run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
     assert "1 kernels: 0 cached, 1 compiled, 0 failed" in output
     assert fake_nvrtc.calls == ["flash_fwd_sm80_hdim64_bf16_sm80"]
-    output = run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
+    output = run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
     assert "1 kernels: 1 cached, 0 compiled, 0 failed" in output
 
 
@@ -78,7 +78,7 @@ def test_build_failure_exits_nonzero_with_uri_and_log(monkeypatch, fresh_cache):
 
     monkeypatch.setattr("flashgen.generator.nvrtc.compile_cubin", failing_compile)
     result = run(
-        "build", "--arch", "sm_90a", "--filter", "hdim128_fp16_causal_sm90a", "-j", "1", expect=1
+        "build", "--direction", "fwd", "--arch", "sm_90a", "--filter", "hdim128_fp16_causal_sm90a", "-j", "1", expect=1
     )
     assert "1 failed" in result.output
     assert "FAILED flash_fwd_sm80_hdim128_fp16_causal_sm90a" in result.output
@@ -91,7 +91,7 @@ def test_build_with_nothing_to_build():
 
 
 def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
-    run("build", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
     output = run("cache", "info").output
     assert str(fresh_cache) in output and "entries:   1" in output
     assert "removed 1 entries" in run("cache", "clear").output

@@ -53,3 +53,51 @@ def test_should_pack_gqa_matches_formula_everywhere():
 )
 def test_get_pack_gqa(arch, nheads, nheads_k, seqlen_q, paged_no_tma, num_splits, expected):
     assert get_pack_gqa(arch, nheads, nheads_k, seqlen_q, 128, False, paged_no_tma, num_splits) is expected
+
+
+def _num_splits_formula(total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head, max_splits, l2):
+    """The split-KV rule of the design notes, restated independently for the table below."""
+    import math
+
+    if total_mblocks >= 0.8 * num_sms:
+        if size_one_kv_head > l2 and num_m_blocks >= num_sms * 2:
+            return min(math.ceil(size_one_kv_head / l2), max_splits)
+        return 1
+    if num_n_blocks <= 4:
+        return 1
+    cap = min(max_splits, num_sms, num_n_blocks)
+    eff = [(total_mblocks * s / num_sms) / math.ceil(total_mblocks * s / num_sms) for s in range(1, cap + 1)]
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * max(eff))
+
+
+# (total_mblocks, num_sms, num_n_blocks, num_m_blocks, size_one_kv_head, max_splits) -> splits
+SPLIT_CASES = [
+    ((8, 132, 2048, 1, 64 << 20, 128), 15),     # b1 decode, 8 KV heads: 8*15/132 = 0.91 of a wave
+    ((8, 660, 2048, 1, 64 << 20, 128), 70),     # one-warp decode CTAs, 5 per SM
+    ((32, 132, 128, 1, 1 << 20, 128), 4),       # 32*4/132 = 0.97
+    ((1024, 132, 32, 1, 1 << 20, 128), 1),      # enough CTAs
+    ((200, 132, 4096, 400, 200 << 20, 128), 4), # enough CTAs, but K/V of a head overflows L2
+    ((8, 132, 4, 1, 1 << 20, 128), 1),          # too few key blocks
+    ((8, 132, 2048, 1, 1 << 20, 3), 3),         # capped by max_splits
+    ((1, 132, 10, 1, 1 << 20, 128), 9),         # capped by the key blocks (10); 9 is within 85% of it
+]
+
+
+@pytest.mark.parametrize("args, expected", SPLIT_CASES)
+def test_num_splits_heuristic_table(args, expected):
+    from flashgen.runtime.heuristics import num_splits_heuristic
+
+    total, sms, n_blocks, m_blocks, kv_bytes, max_splits = args
+    l2 = 50 << 20
+    assert _num_splits_formula(total, sms, n_blocks, m_blocks, kv_bytes, max_splits, l2) == expected
+    assert num_splits_heuristic(total, sms, n_blocks, m_blocks, kv_bytes, False, max_splits, l2_bytes=l2) == expected
+
+
+def test_num_splits_heuristic_matches_formula_on_a_grid():
+    from flashgen.runtime.heuristics import num_splits_heuristic
+
+    for total in (1, 3, 8, 17, 64, 100, 105, 131):
+        for n_blocks in (1, 5, 16, 200):
+            for sms in (108, 132):
+                got = num_splits_heuristic(total, sms, n_blocks, 1, 1 << 20, True, 128, l2_bytes=50 << 20)
+                assert got == _num_splits_formula(total, sms, n_blocks, 1, 1 << 20, 128, 50 << 20)

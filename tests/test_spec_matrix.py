@@ -11,12 +11,14 @@ from flashgen.generator.spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, Ke
 
 # Fixed field order: direction, family, head dim, dtype, then each flag only when on, then arch.
 URI_PATTERN = re.compile(
-    r"flash_(?P<direction>fwd|append|combine)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
+    r"flash_(?P<direction>fwd|bwd|append|combine|bwd_pre|bwd_post)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
     r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?(?P<paged>_paged)?"
     r"(?P<decode>_decode)?_(?P<arch>sm\d+a?)"
 )
 FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2 * 2 * 2  # softcap, pack_gqa, paged, decode
-PER_ARCH = FWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES)  # + append + combine
+BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2  # softcap
+# + append, combine, bwd_pre, bwd_post
+PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 
 
 def test_uris_unique_and_readable():
@@ -63,7 +65,7 @@ def test_matrix_counts():
         assert len(specs) == PER_ARCH
         assert {s.arch for s in specs} == {arch}
     assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * FWD_PER_ARCH
-    assert matrix.all_specs(directions=["bwd"]) == []
+    assert matrix.all_specs(directions=["varlen"]) == []
     assert matrix.all_specs() == sorted(matrix.all_specs())
 
 

@@ -113,7 +113,8 @@ def test_kvcache_ref_matches_dense_attention_by_hand(mask, q_rows_advance):
     for b in range(3):
         row, start, lp = int(args["cache_batch_idx"][b]), int(args["cache_seqlens"][b]), int(args["cache_leftpad"][b])
         positions = torch.arange(start, start + 3)[None]
-        expected_k[row, start : start + 3] = apply_rotary_ref(args["k"][b : b + 1], cos, sin, positions, interleaved)[0].double()
+        k_rotated = apply_rotary_ref(args["k"][b : b + 1], cos, sin, positions, interleaved)
+        expected_k[row, start : start + 3] = k_rotated[0].double()
         expected_v[row, start : start + 3] = args["v"][b]
         q_positions = positions if q_rows_advance else torch.full_like(positions, start)
         q_b = apply_rotary_ref(args["q"][b : b + 1], cos, sin, q_positions, interleaved).double()
@@ -125,7 +126,8 @@ def test_kvcache_ref_matches_dense_attention_by_hand(mask, q_rows_advance):
         torch.testing.assert_close(ref.lse[b : b + 1], lse, rtol=1e-12, atol=1e-12)
     assert torch.equal(ref.k_cache, expected_k) and torch.equal(ref.v_cache, expected_v)
     assert ref.written.sum() == 9 and ref.written.shape == (5, 24)
-    assert all(ref.written[int(r), int(s) : int(s) + 3].all() for r, s in zip(args["cache_batch_idx"], args["cache_seqlens"]))
+    rows_and_starts = zip(args["cache_batch_idx"].tolist(), args["cache_seqlens"].tolist())
+    assert all(ref.written[row, start : start + 3].all() for row, start in rows_and_starts)
 
 
 def test_kvcache_ref_empty_cache_row():
@@ -151,7 +153,8 @@ def test_kvcache_ref_paged_equals_contiguous(page_size):
     torch.testing.assert_close(ref_paged.lse, ref.lse, rtol=0, atol=0)
     expected_k = paged_kv_from_contiguous(ref.k_cache, table, num_blocks, page_size)
     torch.testing.assert_close(ref_paged.k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(ref_paged.written, paged_kv_from_contiguous(ref.written, table, num_blocks, page_size, fill=False))
+    expected_written = paged_kv_from_contiguous(ref.written, table, num_blocks, page_size, fill=False)
+    assert torch.equal(ref_paged.written, expected_written)
 
 
 def test_kvcache_ref_upcast_false_is_input_dtype():

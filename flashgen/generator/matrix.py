@@ -67,7 +67,30 @@ def combine_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
                 yield KernelSpec("combine", family, arch, dtype)
 
 
-_BY_DIRECTION = {"fwd": fwd_specs, "append": append_specs, "combine": combine_specs}
+def bwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
+    for family, family_archs in FAMILY_ARCHS.items():
+        for arch, dtype, head_dim, mask, softcap in itertools.product(
+            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True)
+        ):
+            if archs is None or arch in archs:
+                yield KernelSpec("bwd", family, arch, dtype, head_dim, mask, softcap)
+
+
+def bwd_row_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
+    for family, family_archs in FAMILY_ARCHS.items():
+        for arch, direction, dtype in itertools.product(family_archs, ("bwd_pre", "bwd_post"), DTYPES):
+            if archs is None or arch in archs:
+                yield KernelSpec(direction, family, arch, dtype)
+
+
+_BY_DIRECTION = {
+    "fwd": fwd_specs,
+    "bwd": bwd_specs,
+    "append": append_specs,
+    "combine": combine_specs,
+    "bwd_pre": lambda archs: (s for s in bwd_row_specs(archs) if s.direction == "bwd_pre"),
+    "bwd_post": lambda archs: (s for s in bwd_row_specs(archs) if s.direction == "bwd_post"),
+}
 
 
 def all_specs(

@@ -8,8 +8,8 @@ from pathlib import Path
 import jinja2
 
 from ..runtime.params import LAYOUTS, render_struct
-from .spec import KernelSpec
-from .tiles import ROW_KERNEL_WARPS, fwd_tile
+from .spec import ROW_DIRECTIONS, KernelSpec
+from .tiles import ROW_KERNEL_WARPS, bwd_tile, fwd_tile
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 PARAMS_HEADER = "flash_params.cuh"
@@ -44,12 +44,26 @@ def render_instance(spec: KernelSpec) -> str:
         spec_json=json.dumps(spec.to_dict(), sort_keys=True),
         kernel_name=spec.kernel_name,
     )
-    if spec.direction in ("append", "combine"):
-        return _env().get_template(f"{spec.direction}_instance.cu.j2").render(
+    if spec.direction in ROW_DIRECTIONS:
+        template = "bwd_rows" if spec.direction.startswith("bwd") else spec.direction
+        return _env().get_template(f"{template}_instance.cu.j2").render(
             **common,
             storage_type=_STORAGE_TYPES[spec.dtype],
             num_warps=ROW_KERNEL_WARPS,
             num_threads=ROW_KERNEL_WARPS * 32,
+            post=_cpp_bool(spec.direction == "bwd_post"),
+        )
+    if spec.direction == "bwd":
+        tile = bwd_tile(spec.family, spec.arch, spec.head_dim)
+        return _env().get_template("bwd_instance.cu.j2").render(
+            **common,
+            element_type=_ELEMENT_TYPES[spec.dtype],
+            head_dim=spec.head_dim,
+            num_warps=tile.num_warps,
+            num_threads=tile.num_threads,
+            d_slices=tile.d_slices,
+            mask_enum=spec.mask.capitalize(),
+            softcap=_cpp_bool(spec.softcap),
         )
     tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
     return _env().get_template("fwd_instance.cu.j2").render(

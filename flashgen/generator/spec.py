@@ -27,15 +27,18 @@ import dataclasses
 from typing import Literal
 
 # fwd: attention; append: KV-cache append with rotary (before attention in flash_attn_with_kvcache);
-# combine: merges split-KV partials.
-DIRECTIONS = ("fwd", "append", "combine")
+# combine: merges split-KV partials; bwd: the backward main kernel, with bwd_pre (D = rowsum(dO*O))
+# and bwd_post (dQ from its fp32 accumulator) around it.
+DIRECTIONS = ("fwd", "bwd", "append", "combine", "bwd_pre", "bwd_post")
+# Directions whose kernels take the head dim at run time and have no feature switches.
+ROW_DIRECTIONS = ("append", "combine", "bwd_pre", "bwd_post")
 DTYPES = ("fp16", "bf16")
 COMBINE_DTYPES = ("fp16", "bf16", "fp32")  # the combine's output dtype
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
 FAMILIES = ("sm80",)
 
-Direction = Literal["fwd", "append", "combine"]
+Direction = Literal["fwd", "bwd", "append", "combine", "bwd_pre", "bwd_post"]
 DType = Literal["fp16", "bf16", "fp32"]
 Mask = Literal["none", "causal", "local"]
 
@@ -63,11 +66,13 @@ class KernelSpec:
         dtypes = COMBINE_DTYPES if self.direction == "combine" else DTYPES
         if self.dtype not in dtypes:
             raise ValueError(f"dtype must be one of {dtypes}, got {self.dtype!r}")
-        if self.direction == "fwd":
+        if self.direction in ("fwd", "bwd"):
             if self.head_dim not in HEAD_DIMS:
                 raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
             if self.mask not in MASKS:
                 raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+            if self.direction == "bwd" and (self.pack_gqa or self.paged or self.decode):
+                raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode) != (
             0, "none", False, False, False, False
         ):

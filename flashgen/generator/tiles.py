@@ -97,3 +97,33 @@ def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: 
 
 # The append and combine kernels give each (batch, row, head) one warp; a CTA holds this many.
 ROW_KERNEL_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    num_warps: int  # 16 keys per warp for dK/dV, 16 queries per warp for dQ: blocks of 16 * warps
+    d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
+
+    @property
+    def block(self) -> int:
+        return 16 * self.num_warps
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K, V, Q, dO tiles (padded rows), the dSᵀ tile and the LSE / D rows."""
+        rows = 4 * self.block * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        ds = self.block * (self.block + SMEM_ROW_PAD) * ELEMENT_BYTES
+        return rows + ds + 2 * self.block * 4
+
+
+def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile:
+    if family != "sm80":
+        raise ValueError(f"no backward tile table for family {family!r}")
+    slices = 1 if head_dim <= 128 else 2
+    warps = 4 if smem_limit(arch) >= 163 * 1024 or head_dim <= 128 else 2
+    tile = BwdTile(warps, slices)
+    assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
+    return tile

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import typing
 
 import torch
 
@@ -226,18 +227,66 @@ def _check_grid(plan: FwdPlan) -> None:
         )
 
 
-class _FlashAttnForwardOnly(torch.autograd.Function):
-    """Autograd node for inputs that require grad, until the backward pass exists."""
+# The forward and backward as torch.library custom ops: autograd connects them, and
+# torch.compile(fullgraph=True) traces a model that calls flashgen without a graph break (the fake
+# implementations give output shapes without touching a GPU).
+@torch.library.custom_op("flashgen::fwd", mutates_args=(), device_types="cuda")
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
+    pack_gqa: typing.Optional[bool], num_splits: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    del deterministic  # a backward option, carried here so that autograd can hand it over
+    return _fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, pack_gqa, num_splits)
 
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits):
-        out, lse = _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):  # noqa: ARG004
-        raise NotImplementedError("flashgen has no backward pass yet (tracked by the backward issue)")
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, pack_gqa,
+              num_splits, deterministic):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::bwd", mutates_args=("dq", "dk", "dv"), device_types="cuda")
+def _bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
+    causal: bool, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: typing.Optional[torch.Tensor], deterministic: bool,
+) -> None:
+    from .backward import flash_bwd
+
+    flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+              window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+              deterministic=deterministic)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
+              softcap, alibi_slopes, deterministic) -> None:
+    return None
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _, _, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.alibi_slopes = alibi_slopes
+    ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    del dlse  # lse is not differentiable
+    q, k, v, out, lse = ctx.saved_tensors
+    softmax_scale, causal, window_left, window_right, softcap, deterministic = ctx.options
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _bwd_op(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
+            softcap, ctx.alibi_slopes, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def flash_attn_func(
@@ -254,12 +303,12 @@ def flash_attn_func(
     _check_alibi(alibi_slopes, q)
     if pack_gqa not in (None, True, False):
         raise ValueError(f"pack_gqa must be None (automatic), True or False, got {pack_gqa!r}")
-    args = (q, k, v, softmax_scale, bool(causal), tuple(window_size), float(softcap), alibi_slopes, pack_gqa,
-            int(num_splits))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttnForwardOnly.apply(*args)
-    else:
-        out, lse = _fwd(*args)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    out, lse = _fwd_op(
+        q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
+        float(softcap), alibi_slopes, pack_gqa, int(num_splits), bool(deterministic),
+    )
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -134,6 +134,57 @@ APPEND_PARAMS: tuple[Field, ...] = (
 )
 
 
+BWD_PARAMS: tuple[Field, ...] = (
+    Field("q_ptr", "ptr", "(batch, seqlen_q, nheads, d)"),
+    Field("k_ptr", "ptr", "(batch, seqlen_k, nheads_k, d)"),
+    Field("v_ptr", "ptr", "(batch, seqlen_k, nheads_k, d)"),
+    Field("do_ptr", "ptr", "dO, like q"),
+    Field("lse_ptr", "ptr", "float (batch, nheads, seqlen_q): the forward's softmax_lse"),
+    Field("dsum_ptr", "ptr", "float (batch, nheads, seqlen_q): rowsum(dO * O) from the preprocess"),
+    Field("dq_accum_ptr", "ptr", "float (batch, nheads, seqlen_q, head_dim), zeroed by the preprocess"),
+    Field("dk_ptr", "ptr", "like k"),
+    Field("dv_ptr", "ptr", "like v"),
+    Field("alibi_slopes_ptr", "ptr", "float ALiBi slopes (batch?, nheads), or null"),
+    Field("semaphore_ptr", "ptr", "int (batch, nheads, query blocks), zeroed: deterministic dQ; null otherwise"),
+    *_strided("q", ("batch", "row", "head"), "elements"),
+    *_strided("k", ("batch", "row", "head"), "elements"),
+    *_strided("v", ("batch", "row", "head"), "elements"),
+    *_strided("do", ("batch", "row", "head"), "elements"),
+    *_strided("dk", ("batch", "row", "head"), "elements"),
+    *_strided("dv", ("batch", "row", "head"), "elements"),
+    Field("alibi_batch_stride", "i64", "elements; 0 when slopes are (nheads,)"),
+    Field("batch", "i32", ""),
+    Field("seqlen_q", "i32", ""),
+    Field("seqlen_k", "i32", ""),
+    Field("nheads", "i32", ""),
+    Field("nheads_k", "i32", ""),
+    Field("head_dim", "i32", ""),
+    Field("window_left", "i32", "as in FwdParams"),
+    Field("window_right", "i32", "as in FwdParams"),
+    Field("scale_log2", "f32", "as in FwdParams"),
+    Field("softmax_scale", "f32", ""),
+    Field("softcap_scale", "f32", "softmax_scale / softcap"),
+    Field("softcap", "f32", "0 when off"),
+    Field("alibi_scale", "f32", "as in FwdParams"),
+)
+
+BWD_ROW_PARAMS: tuple[Field, ...] = (
+    Field("o_ptr", "ptr", "the forward's output (batch, seqlen_q, nheads, d)"),
+    Field("do_ptr", "ptr", "dO, like o"),
+    Field("dsum_ptr", "ptr", "float (batch, nheads, seqlen_q)"),
+    Field("dq_accum_ptr", "ptr", "float (batch, nheads, seqlen_q, head_dim)"),
+    Field("dq_ptr", "ptr", "dQ, like q"),
+    *_strided("o", ("batch", "row", "head"), "elements"),
+    *_strided("do", ("batch", "row", "head"), "elements"),
+    *_strided("dq", ("batch", "row", "head"), "elements"),
+    Field("batch", "i32", ""),
+    Field("seqlen_q", "i32", ""),
+    Field("nheads", "i32", ""),
+    Field("head_dim", "i32", ""),
+    Field("softmax_scale", "f32", "dQ = softmax_scale * dq_accum"),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     fields: tuple[Field, ...]
@@ -168,8 +219,16 @@ def compute_layout(fields: Sequence[Field]) -> Layout:
 FWD_LAYOUT = compute_layout(FWD_PARAMS)
 COMBINE_LAYOUT = compute_layout(COMBINE_PARAMS)
 APPEND_LAYOUT = compute_layout(APPEND_PARAMS)
+BWD_LAYOUT = compute_layout(BWD_PARAMS)
+BWD_ROW_LAYOUT = compute_layout(BWD_ROW_PARAMS)
 # Struct name on the device -> layout; rendered into flash_params.cuh in this order.
-LAYOUTS = {"FwdParams": FWD_LAYOUT, "CombineParams": COMBINE_LAYOUT, "AppendParams": APPEND_LAYOUT}
+LAYOUTS = {
+    "FwdParams": FWD_LAYOUT,
+    "CombineParams": COMBINE_LAYOUT,
+    "AppendParams": APPEND_LAYOUT,
+    "BwdParams": BWD_LAYOUT,
+    "BwdRowParams": BWD_ROW_LAYOUT,
+}
 _STRUCTS = {id(layout): struct.Struct(layout.fmt) for layout in LAYOUTS.values()}
 
 

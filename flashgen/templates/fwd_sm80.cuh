@@ -63,26 +63,40 @@ struct RowCopy {
     static_assert(32 % kThreadsPerRow == 0, "a row's lanes must sit in one warp");
 };
 
-// Copies rows [0, kRows) of a tile into shared memory. row_ptr(r) gives the global address of
-// row r, or nullptr for rows outside the tensor; those, and columns >= head_dim, are zero-filled.
-// The row addresses are computed once per row (not once per lane) and broadcast with shuffles,
-// which matters when computing one costs a division (PackGQA, paged KV).
+// The global row addresses one thread computes for a tile copy (see RowCopy).
+template <typename Copy, typename T>
+struct RowPtrs {
+    const T* ptr[Copy::kPtrsPerThread];
+};
+
+// row_ptr(r) gives the global address of tile row r, or nullptr for rows outside the tensor. Each
+// row's address is computed by one of the lanes that share the row (not by all of them), which
+// matters when computing it costs a division and a table load (PackGQA, paged KV).
 template <typename Copy, typename T, typename RowPtr>
-__device__ __forceinline__ void copy_rows_async(T* smem, int smem_stride, int head_dim, int tid,
-                                                RowPtr row_ptr) {
+__device__ __forceinline__ RowPtrs<Copy, T> row_ptrs(int tid, RowPtr row_ptr) {
     int const lane_in_row = tid % Copy::kThreadsPerRow;
     int const row0 = tid / Copy::kThreadsPerRow;
-    const T* ptrs[Copy::kPtrsPerThread];
+    RowPtrs<Copy, T> ptrs;
 #pragma unroll
     for (int p = 0; p < Copy::kPtrsPerThread; ++p) {
         int const i = p * Copy::kThreadsPerRow + lane_in_row;
         int const row = row0 + i * Copy::kRowsPerPass;
-        ptrs[p] = (i < Copy::kRowIters && row < Copy::kRows) ? row_ptr(row) : nullptr;
+        ptrs.ptr[p] = (i < Copy::kRowIters && row < Copy::kRows) ? row_ptr(row) : nullptr;
     }
+    return ptrs;
+}
+
+// Copies rows [0, kRows) of a tile into shared memory, each row's address broadcast from the lane
+// that computed it. Rows with a null address, and columns >= head_dim, are zero-filled.
+template <typename Copy, typename T>
+__device__ __forceinline__ void copy_rows_async(T* smem, int smem_stride, int head_dim, int tid,
+                                                const RowPtrs<Copy, T>& ptrs) {
+    int const lane_in_row = tid % Copy::kThreadsPerRow;
+    int const row0 = tid / Copy::kThreadsPerRow;
 #pragma unroll
     for (int i = 0; i < Copy::kRowIters; ++i) {
         const T* gptr = reinterpret_cast<const T*>(__shfl_sync(
-            0xffffffff, reinterpret_cast<unsigned long long>(ptrs[i / Copy::kThreadsPerRow]),
+            0xffffffff, reinterpret_cast<unsigned long long>(ptrs.ptr[i / Copy::kThreadsPerRow]),
             i % Copy::kThreadsPerRow, Copy::kThreadsPerRow));
         int const row = row0 + i * Copy::kRowsPerPass;
         if (Copy::kRowsExact || row < Copy::kRows) {
@@ -286,7 +300,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 
     // ---- Prologue: Q and the first K block in flight.
     const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride;
-    copy_rows_async<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> const T* {
+    auto const q_ptrs = row_ptrs<QCopy, T>(tid, [&](int r) -> const T* {
         int const row = row_start + r;
         if (row >= rows_total) return nullptr;
         if constexpr (Tr::kPackGQA) {
@@ -298,6 +312,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             return q_base + row * params.q_row_stride + bidh * params.q_head_stride;
         }
     });
+    copy_rows_async<QCopy>(sQ, kStride, head_dim, tid, q_ptrs);
     // K/V rows: key j of this batch element is row leftpad + j of its K/V row, or, when paged,
     // row (leftpad + j) % page_size of page block_table[b][(leftpad + j) / page_size].
     int64_t const kv_row0 = Tr::kPaged ? 0 : int64_t(kv_b) * params.k_batch_stride + leftpad * params.k_row_stride;
@@ -305,29 +320,47 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + kv_row0 + bidh_kv * params.k_head_stride;
     const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + v_row0 + bidh_kv * params.v_head_stride;
     const int* pages = block_table + bidb * params.block_table_batch_stride;
-    auto load_kv = [&](T* smem, const T* base, int64_t page_stride, int64_t row_stride, int n_block) {
-        int const first = n_block * kBlockN;
-        copy_rows_async<KVCopy>(smem, kStride, head_dim, tid, [&](int r) -> const T* {
+    // The K and V rows of a key block. Contiguous, a row's address is one multiply-add, computed
+    // when the copy is issued. Paged, each row costs a page-table load; those loads are issued one
+    // step ahead (prepare_kv for block n-1 runs before Q·Kᵀ of block n) and their results kept in
+    // registers, so the copies that use them never wait for the table.
+    using KVPtrs = RowPtrs<KVCopy, T>;
+    KVPtrs k_ptrs, v_ptrs;  // paged only
+    int kv_block = 0;       // the block prepare_kv prepared
+    auto kv_row_ptrs = [&](const T* base, int64_t page_stride, int64_t row_stride) {
+        int const first = kv_block * kBlockN;
+        return row_ptrs<KVCopy, T>(tid, [&](int r) -> const T* {
             int const key = first + r;
             if (key >= seqlen_k) return nullptr;
             if constexpr (!Tr::kPaged) {
                 return base + key * row_stride;
             } else {
                 int offset;
-                int const page_idx = params.page_size.divmod(offset, leftpad + key);
-                int const page = pages[page_idx];
+                int const page = pages[params.page_size.divmod(offset, leftpad + key)];
                 if (page < 0 || page >= params.kv_batch) return nullptr;
                 return base + page * page_stride + offset * row_stride;
             }
         });
     };
-    auto load_k = [&](int n_block) {
-        load_kv(sK, k_base, params.k_batch_stride, params.k_row_stride, n_block);
+    auto prepare_kv = [&](int n_block) {
+        kv_block = n_block;
+        if constexpr (Tr::kPaged) {
+            k_ptrs = kv_row_ptrs(k_base, params.k_batch_stride, params.k_row_stride);
+            v_ptrs = kv_row_ptrs(v_base, params.v_batch_stride, params.v_row_stride);
+        }
     };
-    auto load_v = [&](int n_block) {
-        load_kv(sV, v_base, params.v_batch_stride, params.v_row_stride, n_block);
+    auto load_k = [&]() {
+        copy_rows_async<KVCopy>(sK, kStride, head_dim, tid,
+                                Tr::kPaged ? k_ptrs : kv_row_ptrs(k_base, 0, params.k_row_stride));
     };
-    if (n_block_max > n_block_min) load_k(n_block_max - 1);
+    auto load_v = [&]() {
+        copy_rows_async<KVCopy>(sV, kStride, head_dim, tid,
+                                Tr::kPaged ? v_ptrs : kv_row_ptrs(v_base, 0, params.v_row_stride));
+    };
+    if (n_block_max > n_block_min) {
+        prepare_kv(n_block_max - 1);
+        load_k();
+    }
     cp_async_commit();
 
     // ---- Per-row state. Thread owns rows (warp, mi, half): lane / 4 + 8 * half of each m16 tile.
@@ -373,8 +406,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
         cp_async_wait<0>();
         __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
-        load_v(n_block);
+        load_v();
         cp_async_commit();
+        if (n_block > n_block_min) prepare_kv(n_block - 1);
 
         float s[kMI][kNI][4];
 #pragma unroll
@@ -471,7 +505,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
-        if (n_block > n_block_min) load_k(n_block - 1);
+        if (n_block > n_block_min) load_k();
         cp_async_commit();
         gemm_pv<Tr>(acc_o, p, sV_addr, lane);
     }

@@ -1,0 +1,132 @@
+"""The backward pass: plan and launch the preprocess, main and postprocess kernels."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import config
+from ..generator import matrix
+from ..generator.spec import KernelSpec
+from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, bwd_tile
+from . import params as params_mod
+from .device import device_index, device_info
+from .dispatch import DeviceInfo, instance_head_dim, resolve_mask
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    spec: KernelSpec
+    tile: BwdTile
+    grid: tuple[int, int, int]  # (key blocks, KV heads x head-dim slices, batch)
+    window_left: int
+    window_right: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.tile.smem_bytes(self.spec.head_dim)
+
+
+def plan_bwd(
+    *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
+    causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
+    family: str | None = None,
+) -> BwdPlan:
+    """The backward instance and grid for a call (a pure function, like plan_fwd)."""
+    if not isinstance(device, DeviceInfo):
+        device = DeviceInfo(tuple(device))
+    dtype = _DTYPE_NAMES.get(dtype, dtype)
+    arch = matrix.target_arch(*device.capability)
+    family = family or matrix.family_for(arch)
+    mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
+    d_instance = instance_head_dim(head_dim)
+    tile = bwd_tile(family, arch, d_instance)
+    spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0)
+    grid = (max(1, -(-seqlen_k // tile.block)), nheads_k * tile.d_slices, batch)
+    return BwdPlan(spec, tile, grid, window_left, window_right)
+
+
+def _strides3(t: torch.Tensor) -> dict:
+    return dict(zip(("batch", "row", "head"), t.stride()[:3]))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
+def flash_bwd(
+    dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
+    window_size: tuple[int, int], softcap: float, alibi_slopes, deterministic: bool,
+) -> None:
+    """Write dq, dk, dv (preallocated, shaped like q, k, v) for attention's output gradient dout.
+
+    dk and dv come out already summed over the query heads of each KV head (GQA/MQA): one CTA
+    loops over the group, so no expanded buffer is needed.
+    """
+    from .interface import _launch  # the forward's launch helper (same device handling)
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        dk.zero_()
+        dv.zero_()
+        return
+    index = device_index(q)
+    info = device_info(index)
+    plan = plan_bwd(
+        dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
+        family=config.forced_family(),
+    )
+    if seqlen_k == 0:
+        dq.zero_()
+        return
+    q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
+    dsum = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+    semaphores = None
+    if deterministic:
+        m_blocks = -(-seqlen_q // plan.tile.block)
+        semaphores = torch.zeros((batch, nheads, m_blocks), dtype=torch.int32, device=q.device)
+
+    row_values = dict(
+        o_ptr=out.data_ptr(), do_ptr=dout.data_ptr(), dsum_ptr=dsum.data_ptr(),
+        dq_accum_ptr=dq_accum.data_ptr(), dq_ptr=dq.data_ptr(),
+        batch=batch, seqlen_q=seqlen_q, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
+    )
+    for prefix, t in (("o", out), ("do", dout), ("dq", dq)):
+        row_values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})
+    row_params = params_mod.pack(params_mod.BWD_ROW_LAYOUT, row_values)
+    row_grid = (-(-batch * seqlen_q * nheads // ROW_KERNEL_WARPS), 1, 1)
+    spec = plan.spec
+    pre = KernelSpec("bwd_pre", spec.family, spec.arch, spec.dtype)
+    post = KernelSpec("bwd_post", spec.family, spec.arch, spec.dtype)
+
+    has_softcap = softcap > 0
+    values = dict(
+        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
+        lse_ptr=lse.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
+        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(),
+        alibi_slopes_ptr=alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
+        semaphore_ptr=semaphores.data_ptr() if semaphores is not None else 0,
+        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        head_dim=head_dim, window_left=plan.window_left, window_right=plan.window_right,
+        scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
+        softmax_scale=softmax_scale,
+        softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
+        softcap=float(softcap),
+        alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
+    )
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
+        values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})
+    threads = ROW_KERNEL_WARPS * 32
+    _launch(pre, 0, threads, row_grid, row_params, index)
+    # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.
+    _launch(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, params_mod.pack(params_mod.BWD_LAYOUT, values), index)
+    _launch(post, 0, threads, row_grid, row_params, index)

@@ -1,0 +1,344 @@
+// The sm80 backward family: dQ, dK, dV of attention from Q, K, V, dO, the forward's LSE and
+// D = rowsum(dO ∘ O) (the preprocess kernel's output).
+//
+// One CTA owns kBlockN keys of one KV head (and, for head dims above 128, one slice of the head
+// dim for dK/dV/dQ) and loops over the query heads of its group and the query blocks that see its
+// keys:
+//
+//   load Q(m), dO(m), LSE(m), D(m)
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (each warp: 16 keys x kBlockM queries)
+//   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
+//   dV += Pᵀ·dO, dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers as mma A operands)
+//   dSᵀ -> shared memory; dQ(m) += dS·K, added to an fp32 buffer with atomics (in key-block order
+//   under deterministic mode, through a per-row-block semaphore)
+//
+// Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
+// any register transpose; only dS crosses shared memory. Padded query rows have LSE = +inf and
+// D = 0, so they contribute exactly 0; padded key rows are zero-filled, so their dQ terms vanish
+// and their dK/dV rows are never stored.
+#pragma once
+#include "common.cuh"
+#include "flash_params.cuh"
+#include "fwd_sm80.cuh"
+
+namespace flashgen {
+
+template <typename Element_, int kHeadDim_, int kNWarps_, int kDSlices_, Mask kMask_, bool kSoftcap_>
+struct BwdTraits {
+    using Element = Element_;
+    using T = typename Element::storage;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kBlockN = 16 * kNWarps;  // keys: 16 per warp
+    static constexpr int kBlockM = 16 * kNWarps;  // queries per step: 16 per warp for dQ
+    static constexpr int kDSlices = kDSlices_;    // dK/dV/dQ columns are split over CTAs
+    static constexpr int kDSlice = kHeadDim / kDSlices;
+    static constexpr Mask kMask = kMask_;
+    static constexpr bool kSoftcap = kSoftcap_;
+    static constexpr int kStride = kHeadDim + 8;   // padded rows, as in the forward
+    static constexpr int kDSStride = kBlockM + 8;
+    static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
+    static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV/dQ
+    static_assert(kDSlice % 16 == 0, "head-dim slices are multiples of 16");
+};
+
+// C[16 x kCols] += A(16 rows at a_addr, k = kK) · B where B's rows are the n index (non-transposed
+// ldmatrix, as Q·Kᵀ in the forward). Pipelined like the forward's gemm_qk.
+template <typename Element, int kK, int kNTiles, int kStrideBytes>
+__device__ __forceinline__ void gemm_a_smem_bt(float (&c)[kNTiles][4], uint32_t a_addr, uint32_t b_addr, int lane) {
+    constexpr int kKSteps = kK / 16;
+    constexpr int kNPairs = kNTiles / 2;
+    uint32_t const a_base = a_addr + (lane % 16) * kStrideBytes + (lane / 16) * 16;
+    uint32_t const b_base = b_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
+    uint32_t a[2][4], b[2][4];
+    ldmatrix_x4(a[0], a_base);
+    ldmatrix_x4(b[0], b_base);
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        if (kk + 1 < kKSteps) ldmatrix_x4(a[(kk + 1) % 2], a_base + (kk + 1) * 32);
+#pragma unroll
+        for (int nj = 0; nj < kNPairs; ++nj) {
+            int const t = kk * kNPairs + nj;
+            if (nj + 1 < kNPairs) {
+                ldmatrix_x4(b[(t + 1) % 2], b_base + (nj + 1) * 16 * kStrideBytes + kk * 32);
+            } else if (kk + 1 < kKSteps) {
+                ldmatrix_x4(b[(t + 1) % 2], b_base + (kk + 1) * 32);
+            }
+            mma_16816<Element>(c[2 * nj], a[kk % 2], b[t % 2][0], b[t % 2][1]);
+            mma_16816<Element>(c[2 * nj + 1], a[kk % 2], b[t % 2][2], b[t % 2][3]);
+        }
+    }
+}
+
+// C[16 x kNTiles*8] += A · B with A from registers (kK/16 fragments) and B's rows the k index
+// (transposed ldmatrix, as P·V in the forward), B starting at b_addr (its column offset included).
+template <typename Element, int kK, int kNTiles, int kStrideBytes>
+__device__ __forceinline__ void gemm_a_reg_b(float (&c)[kNTiles][4], const uint32_t (&a)[kK / 16][4],
+                                             uint32_t b_addr, int lane) {
+    constexpr int kKSteps = kK / 16;
+    constexpr int kNPairs = kNTiles / 2;
+    uint32_t const b_base = b_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
+    uint32_t b[2][4];
+    ldmatrix_x4_trans(b[0], b_base);
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+        for (int nj = 0; nj < kNPairs; ++nj) {
+            int const t = kk * kNPairs + nj;
+            if (nj + 1 < kNPairs) {
+                ldmatrix_x4_trans(b[(t + 1) % 2], b_base + kk * 16 * kStrideBytes + (nj + 1) * 32);
+            } else if (kk + 1 < kKSteps) {
+                ldmatrix_x4_trans(b[(t + 1) % 2], b_base + (kk + 1) * 16 * kStrideBytes);
+            }
+            mma_16816<Element>(c[2 * nj], a[kk], b[t % 2][0], b[t % 2][1]);
+            mma_16816<Element>(c[2 * nj + 1], a[kk], b[t % 2][2], b[t % 2][3]);
+        }
+    }
+}
+
+// The m16n8 accumulators of 2*kK/16 adjacent n8 tiles as m16k16 A fragments (see the forward).
+template <typename Element, int kTiles>
+__device__ __forceinline__ void to_a_fragments(uint32_t (&a)[kTiles / 2][4], const float (&c)[kTiles][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kTiles / 2; ++kk) {
+        a[kk][0] = Element::pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = Element::pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = Element::pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = Element::pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+template <typename Tr>
+__device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
+    using T = typename Tr::T;
+    using Element = typename Tr::Element;
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
+    constexpr int kStrideBytes = kStride * 2;
+    constexpr bool kMasked = Tr::kMask != Mask::None;
+    using MCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
+    using NCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + kBlockN * kStride;
+    T* sQ = sV + kBlockN * kStride;
+    T* sdO = sQ + kBlockM * kStride;
+    T* sdS = sdO + kBlockM * kStride;  // dSᵀ: [key][query]
+    float* sLSE = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDSStride);
+    float* sD = sLSE + kBlockM;
+
+    int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int const n_block = blockIdx.x;
+    int const bidh_kv = int(blockIdx.y) / Tr::kDSlices;
+    int const slice = int(blockIdx.y) - bidh_kv * Tr::kDSlices;
+    int const col0 = slice * Tr::kDSlice;  // first head-dim column of this CTA's dK/dV/dQ
+    int const bidb = blockIdx.z;
+    int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+    int const diag = seqlen_k - seqlen_q;
+    int const qhpk = params.nheads / params.nheads_k;
+    int const key0 = n_block * kBlockN;
+    if (key0 >= seqlen_k) return;
+
+    // Query blocks that see any key of this block: i + diag - wl <= j <= i + diag + wr.
+    int const m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    int m_block_min = 0, m_block_max = m_blocks;
+    if constexpr (kMasked) {
+        int const first_query = key0 - diag - params.window_right;
+        m_block_min = first_query <= 0 ? 0 : min(first_query / kBlockM, m_blocks);
+        if constexpr (Tr::kMask == Mask::Local) {
+            int const last_query = key0 + kBlockN - 1 - diag + params.window_left;
+            m_block_max = last_query < 0 ? 0 : min(last_query / kBlockM + 1, m_blocks);
+        }
+    }
+
+    // K and V tiles, loaded once.
+    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_kv * params.k_head_stride;
+    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_kv * params.v_head_stride;
+    copy_rows_async<NCopy>(sK, kStride, head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+        return key0 + r < seqlen_k ? k_base + (key0 + r) * params.k_row_stride : nullptr;
+    }));
+    copy_rows_async<NCopy>(sV, kStride, head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+        return key0 + r < seqlen_k ? v_base + (key0 + r) * params.v_row_stride : nullptr;
+    }));
+    cp_async_commit();
+
+    float acc_dk[Tr::kDN][4], acc_dv[Tr::kDN][4];
+#pragma unroll
+    for (int i = 0; i < Tr::kDN; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+    // This thread's Sᵀ rows (keys) and, per n8 tile, its two query columns.
+    int const key_row[2] = {key0 + warp * 16 + lane / 4, key0 + warp * 16 + lane / 4 + 8};
+    uint32_t const sK_warp = smem_u32(sK + warp * 16 * kStride);
+    uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
+    uint32_t const sQ_addr = smem_u32(sQ), sdO_addr = smem_u32(sdO);
+    const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
+    float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
+    int* semaphores = reinterpret_cast<int*>(params.semaphore_ptr);
+
+    for (int h_in_group = 0; h_in_group < qhpk; ++h_in_group) {
+        int const bidh = bidh_kv * qhpk + h_in_group;
+        float const slope = slopes != nullptr
+            ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
+        const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
+        const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
+        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;  // LSE / D / dq rows
+
+        for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+            int const q0 = m_block * kBlockM;
+            __syncthreads();  // the previous step is done with sQ, sdO, sdS, sLSE, sD
+            copy_rows_async<MCopy>(sQ, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+                return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
+            }));
+            copy_rows_async<MCopy>(sdO, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+                return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
+            }));
+            cp_async_commit();
+            for (int r = tid; r < kBlockM; r += Tr::kNThreads) {
+                bool const valid = q0 + r < seqlen_q;
+                float const lse = valid ? reinterpret_cast<const float*>(params.lse_ptr)[row_stats + q0 + r] : kInfinity;
+                // exp2(s * scale_log2 - lse_log2): a row that saw no key (lse -inf) or a padded row
+                // gets +inf here, so its probabilities are 0.
+                sLSE[r] = lse == -kInfinity ? kInfinity : lse * 1.4426950408889634f;
+                sD[r] = valid ? reinterpret_cast<const float*>(params.dsum_ptr)[row_stats + q0 + r] : 0.f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
+            float st[Tr::kMN][4], dpt[Tr::kMN][4];
+#pragma unroll
+            for (int i = 0; i < Tr::kMN; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+            gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
+            gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
+
+            bool const need_mask = kMasked && (
+                q0 + diag + params.window_right < key0 + kBlockN - 1 ||
+                (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0));
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMN; ++mi) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int const key = key_row[e / 2];
+                    int const qcol = mi * 8 + 2 * (lane % 4) + (e % 2);
+                    int const query = q0 + qcol;
+                    float s = st[mi][e];
+                    float dtanh = 1.f;
+                    if constexpr (Tr::kSoftcap) {
+                        float const t = tanh_accurate(s * params.softcap_scale);
+                        s = params.softcap * t;
+                        dtanh = 1.f - t * t;
+                    }
+                    if (slopes != nullptr) {
+                        int const rel = query + diag - key;
+                        s -= slope * float(rel < 0 ? -rel : rel);
+                    }
+                    bool masked = false;
+                    if (need_mask) {
+                        masked = key > query + diag + params.window_right;
+                        if constexpr (Tr::kMask == Mask::Local) masked |= key < query + diag - params.window_left;
+                    }
+                    float const p = masked ? 0.f : exp2_approx(s * params.scale_log2 - sLSE[qcol]);
+                    st[mi][e] = p;
+                    dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
+                }
+            }
+
+            uint32_t pt[Tr::kMN / 2][4], dst[Tr::kMN / 2][4];
+            to_a_fragments<Element, Tr::kMN>(pt, st);
+            to_a_fragments<Element, Tr::kMN>(dst, dpt);
+            gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
+            gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
+
+            // dSᵀ to shared memory; then dQ(16 query rows of this warp) = dS · K.
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMN; ++mi) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    int const r = warp * 16 + lane / 4 + half * 8;
+                    *reinterpret_cast<uint32_t*>(sdS + r * Tr::kDSStride + mi * 8 + 2 * (lane % 4)) =
+                        Element::pack2(dpt[mi][2 * half], dpt[mi][2 * half + 1]);
+                }
+            }
+            __syncthreads();
+            float acc_dq[Tr::kDN][4];
+#pragma unroll
+            for (int i = 0; i < Tr::kDN; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+            {
+                // A = dS (queries x keys) read transposed from dSᵀ: octet j of the lanes addresses
+                // key rows (j / 2) * 8.. and query columns (j % 2) * 8.. of the 16 x 16 step.
+                uint32_t a[kBlockN / 16][4];
+                uint32_t const a_base = smem_u32(sdS) +
+                    (((lane / 16) * 8 + lane % 8) * Tr::kDSStride + warp * 16 + ((lane / 8) % 2) * 8) * 2;
+#pragma unroll
+                for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                    ldmatrix_x4_trans(a[kk], a_base + kk * 16 * Tr::kDSStride * 2);
+                }
+                gemm_a_reg_b<Element, kBlockN, Tr::kDN, kStrideBytes>(acc_dq, a, smem_u32(sK) + col0 * 2, lane);
+            }
+            // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
+            if (semaphores != nullptr) {
+                // Deterministic: the key blocks that see this query block add to it one after
+                // another, in key order. They are n_first.. (a local window's left edge skips the
+                // first ones); lower blocks are launched first, so the wait always ends.
+                int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
+                int* sem = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block;
+                if (tid == 0) {
+                    while (atomicAdd(sem, 0) != n_block - n_first) {
+                    }
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int const query = q0 + warp * 16 + lane / 4 + half * 8;
+                if (query < seqlen_q) {
+                    float* dq_row = dq_accum + (row_stats + query) * head_dim;
+#pragma unroll
+                    for (int di = 0; di < Tr::kDN; ++di) {
+                        int const col = col0 + di * 8 + 2 * (lane % 4);
+                        if (col < head_dim) {
+                            atomicAdd(dq_row + col, acc_dq[di][2 * half]);
+                            atomicAdd(dq_row + col + 1, acc_dq[di][2 * half + 1]);
+                        }
+                    }
+                }
+            }
+            if (semaphores != nullptr) {
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) {
+                    atomicAdd(semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block, 1);
+                }
+            }
+        }
+    }
+
+    // dK (scaled) and dV for this CTA's keys and head-dim slice.
+    T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh_kv * params.dk_head_stride;
+    T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh_kv * params.dv_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int const key = key_row[half];
+        if (key < seqlen_k) {
+#pragma unroll
+            for (int di = 0; di < Tr::kDN; ++di) {
+                int const col = col0 + di * 8 + 2 * (lane % 4);
+                if (col < head_dim) {
+                    *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) = Element::pack2(
+                        acc_dk[di][2 * half] * params.softmax_scale, acc_dk[di][2 * half + 1] * params.softmax_scale);
+                    *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
+                        Element::pack2(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace flashgen
