@@ -82,11 +82,13 @@ def test_plan_softcap_and_mask_switches():
 
 
 def test_plan_decode_tile_for_few_rows():
+    from flashgen.generator.tiles import DECODE_MAX_ROWS, FWD_DECODE_TILE
+
     p = plan(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192)
-    assert p.spec.pack_gqa and p.spec.decode and p.tile.block_m == 16
+    assert p.spec.pack_gqa and p.spec.decode and p.tile == FWD_DECODE_TILE
     assert p.grid[:2] == (1, 8)
-    assert not plan(seqlen_q=17).spec.decode     # 17 rows: the regular tile
-    assert plan(seqlen_q=16).spec.decode
+    assert plan(seqlen_q=DECODE_MAX_ROWS).spec.decode
+    assert not plan(seqlen_q=DECODE_MAX_ROWS + 1).spec.decode  # the regular tile
 
 
 def test_plan_splits():

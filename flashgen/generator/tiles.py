@@ -74,11 +74,12 @@ _FWD_SM80_SMALL = {
 }
 
 
-# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). One warp owns all 16 rows, so a CTA is
-# small and several share an SM, each with its own K/V copies in flight: the call is bound by
-# reading K/V, not by the tensor cores.
-FWD_DECODE_TILE = FwdTile(16, 64, 1)
-DECODE_MAX_ROWS = 16
+# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). Small CTAs (two warps, 16 rows each),
+# several per SM, each with its own K/V copies in flight: such calls are bound by reading K/V, and
+# a 128-row tile would spend the tensor cores on padding instead. Tuned on the H200 with
+# benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
+FWD_DECODE_TILE = FwdTile(32, 64, 2)
+DECODE_MAX_ROWS = FWD_DECODE_TILE.block_m
 
 
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:

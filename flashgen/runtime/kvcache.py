@@ -24,6 +24,7 @@ from .interface import (
 )
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+MAX_COMBINE_SPLITS = 256  # kMaxSplits in templates/combine.cuh: split weights live in registers
 
 
 def _check_int32_vector(name: str, t, batch: int, device) -> None:
@@ -278,8 +279,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         raise ValueError("out_partial and lse_partial must be on one device")
     if head_dim % 4 != 0:
         raise ValueError(f"head_dim must be a multiple of 4, got {head_dim}")
-    if num_splits < 1:
-        raise ValueError("out_partial must hold at least one split")
+    if not 1 <= num_splits <= MAX_COMBINE_SPLITS:
+        raise ValueError(f"out_partial must hold between 1 and {MAX_COMBINE_SPLITS} splits, got {num_splits}")
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else torch.float32
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):

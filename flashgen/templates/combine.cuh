@@ -31,8 +31,13 @@ __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float4
     *reinterpret_cast<uint2*>(dst) = packed;
 }
 
+// Up to kMaxSplits splits. The accumulation loop's only global loads are the partial rows, several
+// in flight at once (unrolled, no branch around them).
+constexpr int kMaxSplits = 256;
+
 template <typename OutT, int kWarps>
 __device__ __forceinline__ void combine_splits(const CombineParams& p) {
+    constexpr int kPerLane = kMaxSplits / 32;
     int const lane = threadIdx.x % 32;
     int64_t const row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
     int64_t const rows = int64_t(p.batch) * p.seqlen * p.nheads;
@@ -41,34 +46,54 @@ __device__ __forceinline__ void combine_splits(const CombineParams& p) {
     int const head = int(row % p.nheads);
     int const pos = int((row / p.nheads) % p.seqlen);
     int const b = int(row / (int64_t(p.nheads) * p.seqlen));
+    int const num_splits = p.num_splits;
     const float* lse_in = reinterpret_cast<const float*>(p.lse_partial_ptr) + b * p.lse_partial_batch_stride +
                           pos * p.lse_partial_row_stride + head * p.lse_partial_head_stride;
     const float* o_in = reinterpret_cast<const float*>(p.out_partial_ptr) + b * p.out_partial_batch_stride +
                         pos * p.out_partial_row_stride + head * p.out_partial_head_stride;
 
+    float weight[kPerLane];
     float lse_max = -kInfinity;
-    for (int s = lane; s < p.num_splits; s += 32) lse_max = fmaxf(lse_max, lse_in[s * p.lse_partial_split_stride]);
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+        int const s = lane + 32 * k;
+        weight[k] = s < num_splits ? lse_in[s * p.lse_partial_split_stride] : -kInfinity;
+        lse_max = fmaxf(lse_max, weight[k]);
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset));
     float const shift = lse_max == -kInfinity ? 0.f : lse_max;
     float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) sum += __expf(lse_in[s * p.lse_partial_split_stride] - shift);
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+        weight[k] = __expf(weight[k] - shift);  // exp(-inf) = 0: empty splits weigh nothing
+        sum += weight[k];
+    }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     float const inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+
+    // The weights go to this warp's slice of shared memory: read back as broadcasts, with no
+    // run-time indexing of registers.
+    __shared__ float smem_weight[kWarps][kMaxSplits];
+    float* w_smem = smem_weight[threadIdx.x / 32];
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) w_smem[lane + 32 * k] = weight[k] * inv_sum;
+    __syncwarp();
 
     OutT* out = reinterpret_cast<OutT*>(p.out_ptr) + b * p.out_batch_stride + pos * p.out_row_stride +
                 head * p.out_head_stride;
     for (int col = lane * 4; col < p.head_dim; col += 128) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s = 0; s < p.num_splits; ++s) {
-            float const w = __expf(lse_in[s * p.lse_partial_split_stride] - shift) * inv_sum;
-            if (w == 0.f) continue;  // a split that saw no key: its partial may be anything
+#pragma unroll 8
+        for (int s = 0; s < num_splits; ++s) {
+            float const w = w_smem[s];
             float4 const o = *reinterpret_cast<const float4*>(o_in + s * p.out_partial_split_stride + col);
-            acc.x += w * o.x;
-            acc.y += w * o.y;
-            acc.z += w * o.z;
-            acc.w += w * o.w;
+            // Select, not multiply: a split that saw no key may hold anything, NaN included.
+            acc.x += w != 0.f ? w * o.x : 0.f;
+            acc.y += w != 0.f ? w * o.y : 0.f;
+            acc.z += w != 0.f ? w * o.z : 0.f;
+            acc.w += w != 0.f ? w * o.w : 0.f;
         }
         store4<OutT>(out + col, acc);
     }
