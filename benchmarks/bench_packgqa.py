@@ -1,8 +1,10 @@
-"""PackGQA on vs off on decode-like shapes, in one process on the device.
+"""PackGQA on vs off on decode-like shapes: an ablation of flashgen alone (flashgen next to its
+peers is `flashgen bench decode`).
 
 batch 4, seqlen_q 1..16, 32 query heads / 4 KV heads, d128, seqlen_k 8192 (the PackGQA issue's
-shape). Reports median microseconds (CUDA-graph replays, so launch overhead does not hide the
-kernel) and the K+V bytes read per second against the measured copy bandwidth.
+shape). Median microseconds per call replayed from a CUDA graph, each call on its own copy of K/V
+so that none is read from L2 (flashgen.bench.timing.rotated_us), and the K+V bytes read per second
+against the copy bandwidth measured in the same run.
 
     python benchmarks/bench_packgqa.py [--out benchmarks/results/packgqa_h200.json]
 """
@@ -10,31 +12,10 @@ import argparse
 import json
 
 import torch
-import triton.testing
 
 import flashgen
-
-
-def graph_time_us(fn) -> float:
-    """Median time of one call, replayed from a CUDA graph of 20 calls."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / 20
-
-
-def copy_bandwidth() -> float:
-    x = torch.randn(1 << 30 >> 1, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-    return 2 * x.numel() * 2 / ms / 1e9  # TB/s, bytes read + written
+from flashgen.bench import timing
+from flashgen.runtime.device import device_info
 
 
 def main() -> None:
@@ -43,29 +24,37 @@ def main() -> None:
     parser.add_argument("--seqlen-k", type=int, default=8192)
     args = parser.parse_args()
     batch, nheads, nheads_k, d = 4, 32, 4, 128
-    ceiling = copy_bandwidth()
+    kernel_ms, _ = timing.make_timer()
+    ceiling = timing.measure_ceilings(kernel_ms, [])["copy_tbps"]
+    kv_bytes = 2 * batch * args.seqlen_k * nheads_k * d * 2
+    copies = timing.rotation_copies(kv_bytes, device_info(torch.cuda.current_device()).l2_bytes)
     rows = []
-    print(f"{torch.cuda.get_device_name()}: copy ceiling {ceiling:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}: copy ceiling {ceiling:.2f} TB/s, K/V rotated over {copies} copies")
     print(f"{'seqlen_q':>8} {'causal':>6} {'packed us':>10} {'unpacked us':>12} {'speedup':>8} {'packed TB/s':>12}")
     for causal in (False, True):
         for seqlen_q in (1, 2, 4, 8, 16):
-            q = torch.randn(batch, seqlen_q, nheads, d, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(batch, args.seqlen_k, nheads_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            def randn(*shape):
+                return torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+            sets = [(randn(batch, seqlen_q, nheads, d), randn(batch, args.seqlen_k, nheads_k, d),
+                     randn(batch, args.seqlen_k, nheads_k, d)) for _ in range(copies)]
             times = {}
             for pack in (True, False):
-                times[pack] = graph_time_us(lambda: flashgen.flash_attn_func(q, k, v, causal=causal, pack_gqa=pack))
-            out_p = flashgen.flash_attn_func(q, k, v, causal=causal, pack_gqa=True)
-            out_u = flashgen.flash_attn_func(q, k, v, causal=causal, pack_gqa=False)
+                calls = [lambda q=q, k=k, v=v, causal=causal, pack=pack: flashgen.flash_attn_func(
+                    q, k, v, causal=causal, pack_gqa=pack) for q, k, v in sets]
+                times[pack] = timing.rotated_us(calls, graph=True)
+            out_p, out_u = (flashgen.flash_attn_func(*sets[0], causal=causal, pack_gqa=pack) for pack in (True, False))
             assert (out_p.float() - out_u.float()).abs().max().item() < 1e-2, "packed and unpacked disagree"
-            kv_bytes = 2 * k.numel() * k.element_size()
             row = dict(seqlen_q=seqlen_q, causal=causal, packed_us=times[True], unpacked_us=times[False],
                        speedup=times[False] / times[True], packed_tbps=kv_bytes / times[True] / 1e6)
             rows.append(row)
-            print(f"{seqlen_q:>8} {int(causal):>6} {times[True]:>10.1f} {times[False]:>12.1f} {row['speedup']:>7.2f}x {row['packed_tbps']:>12.2f}")
+            print(f"{seqlen_q:>8} {int(causal):>6} {times[True]:>10.1f} {times[False]:>12.1f} {row['speedup']:>7.2f}x "
+                  f"{row['packed_tbps']:>12.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tbps=ceiling, batch=batch, nheads=nheads,
-                           nheads_k=nheads_k, head_dim=d, seqlen_k=args.seqlen_k, rows=rows), f, indent=2)
+                           nheads_k=nheads_k, head_dim=d, seqlen_k=args.seqlen_k, copies=copies, rows=rows),
+                      f, indent=2)
 
 
 if __name__ == "__main__":

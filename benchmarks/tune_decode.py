@@ -1,46 +1,65 @@
-"""Try decode-tile candidates (tiles.FWD_DECODE_TILE) on the decode benchmark's shapes.
+"""Try decode-tile candidates (tiles.FWD_DECODE_TILE) on decode shapes, next to SDPA's cuDNN backend.
 
-    python benchmarks/tune_decode.py [--shapes b1-s8k b1-s128k b128-s2k]
+    python benchmarks/tune_decode.py [--shapes b1-s8k b1-s128k b32-s4k b128-s2k]
 
 Each candidate is patched into the tile table for its measurements (its rendered source differs,
-so it gets its own cache entry); flashgen's contiguous-cache path only, CUDA-graph medians.
+so it gets its own cache entry).  One query token, 32 query / 8 KV heads, d128, bf16, contiguous
+cache, split-KV heuristic; measured as `flashgen bench decode` measures (flashgen.bench.suites:
+output checked, K/V rotated past L2, CUDA-graph medians below 100 us).
 """
 import argparse
-import functools
-import sys
-from pathlib import Path
 
-import torch
-import triton.testing
+from flashgen.bench import peers, suites, timing
+from flashgen.generator import cache, tiles
+from flashgen.runtime import launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_decode  # noqa: E402
-
-from flashgen.generator import cache, tiles  # noqa: E402
-from flashgen.runtime import launch  # noqa: E402
-
+SHAPES = {  # name -> (batch, keys)
+    "b1-s8k": (1, 8192),
+    "b1-s32k": (1, 32768),
+    "b1-s128k": (1, 131072),
+    "b32-s4k": (32, 4096),
+    "b128-s2k": (128, 2048),
+}
 CANDIDATES = [(16, 64, 1), (16, 128, 1), (16, 32, 1), (32, 64, 2)]
+
+
+def config(shape: str) -> dict:
+    batch, context = SHAPES[shape]
+    return {"dtype": "bf16", "batch": batch, "seqlen_q": 1, "context": context, "nheads": 32, "nheads_k": 8,
+            "head_dim": 128, "layout": "contiguous", "page_size": None, "causal": False}
+
+
+def line(label: str, shape: str, entry: dict) -> str:
+    if "skipped" in entry:
+        return f"{label:>14} {shape:>9}: skipped: {entry['skipped']}"
+    return f"{label:>14} {shape:>9}: {entry['us']:7.1f} us {entry['tbps']:5.2f} TB/s"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["b1-s8k", "b1-s128k", "b32-s4k", "b128-s2k"])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                        default=["b1-s8k", "b1-s128k", "b32-s4k", "b128-s2k"])
     args = parser.parse_args()
-    bench = functools.partial(triton.testing.do_bench, return_mode="median")
-    options = argparse.Namespace(page_sizes=[], num_splits=0, calls_per_graph=20, rotate_mb=256.0)
-    ceiling = bench_decode.copy_ceiling_tbps(bench)
-    print(f"{torch.cuda.get_device_name()}: copy ceiling {ceiling:.2f} TB/s")
+    kernel_ms, _ = timing.make_timer()
+    ceilings = timing.measure_ceilings(kernel_ms, [])
+    env = timing.environment()
+    timers = suites.Timers(kernel_ms, timing.rotated_us, env["l2_bytes"])
+    print(f"{env['gpu']}: copy ceiling {ceilings['copy_tbps']:.2f} TB/s")
+    cudnn, flashgen = peers.sdpa_impl("sdpa-cudnn", "CUDNN_ATTENTION"), peers.flashgen_impl()
+    for shape in args.shapes:
+        row = suites.decode_row(config(shape), [cudnn], timers, ceilings, "cuda", float("inf"))
+        print(line("cuDNN", shape, row["impls"]["sdpa-cudnn"]), flush=True)
     original = tiles.FWD_DECODE_TILE
     for block_m, block_n, warps in CANDIDATES:
         tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps)
         launch._loaded.clear()  # both memos are keyed by spec, which the tile is not part of
         cache._cubins.clear()
         for shape in args.shapes:
-            rows = bench_decode.bench_shape(shape, options, bench, ceiling)
-            for row in rows:
-                if row["impl"] in ("flashgen", "cudnn") and "graph_us" in row:
-                    print(f"tile {block_m}x{block_n} w{warps} {shape:>9} {row['impl']:>8}: "
-                          f"{row['graph_us']:7.1f} us {row['graph_tbps']:5.2f} TB/s", flush=True)
+            row = suites.decode_row(config(shape), [flashgen], timers, ceilings, "cuda", float("inf"))
+            entry = row["impls"]["flashgen"]
+            if not row["check"]["ok"]:
+                entry = {"skipped": f"output check failed: {row['check']}"}
+            print(line(f"tile {block_m}x{block_n} w{warps}", shape, entry), flush=True)
     tiles.FWD_DECODE_TILE = original
 
 

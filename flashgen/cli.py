@@ -503,8 +503,10 @@ def _defaults(field: str) -> str:
 @_list_option("--seqlens", _positive_int, "prefill: sequence lengths." + _defaults("seqlens"))
 @_list_option("--masks", _choice(bench_settings.MASKS), "prefill: none, causal." + _defaults("masks"))
 @_list_option("--gqa", _positive_int, "prefill: query heads per KV head, 1 is MHA." + _defaults("gqa"))
-@click.option("--tokens", type=click.IntRange(min=1), help=f"prefill: batch x seqlen [default: {bench_settings.TOKENS}].")
-@click.option("--hidden", type=click.IntRange(min=1), help=f"prefill: nheads x head dim [default: {bench_settings.HIDDEN}].")
+@click.option("--tokens", type=click.IntRange(min=1),
+              help=f"prefill: batch x seqlen [default: {bench_settings.TOKENS}].")
+@click.option("--hidden", type=click.IntRange(min=1),
+              help=f"prefill: nheads x head dim [default: {bench_settings.HIDDEN}].")
 @click.option("--flex-static", "flex_dynamic", flag_value=False, default=None,
               help="prefill: compile FlexAttention for each shape instead of once with dynamic shapes.")
 @_list_option("--query-lens", _positive_int, "decode: new tokens per sequence." + _defaults("query_lens"))
@@ -514,12 +516,13 @@ def _defaults(field: str) -> str:
 @_list_option("--heads", bench_settings.parse_heads, "decode: query/KV heads." + _defaults("heads"), metavar="Q/KV,...")
 @_list_option("--decode-head-dims", _positive_int, "decode: head dims." + _defaults("decode_head_dims"))
 @click.option("--max-kv-gib", type=click.FloatRange(min=0),
-              help="decode: skip configs whose K+V cache is larger [default: 32].")
+              help=f"decode: skip configs whose K+V cache is larger [default: {bench_settings.Settings.max_kv_gib:g}].")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
               help="compile: processes for the matrix build.")
 @click.option("--cold-count", type=click.IntRange(min=1), help="compile: instances compiled cold, one at a time."
               + _defaults("cold_count"))
-@click.option("--warm-runs", type=click.IntRange(min=1), help="compile: fresh processes for the warm load [default: 3].")
+@click.option("--warm-runs", type=click.IntRange(min=1),
+              help=f"compile: fresh processes for the warm load [default: {bench_settings.Settings.warm_runs}].")
 @click.option("--matrix-filter", metavar="TEXT",
               help="compile: build only URIs containing TEXT ('' for all) [default: all; --quick: hdim128_bf16].")
 @click.option("--no-plots", is_flag=True, help="Write no PNG plots.")
@@ -546,7 +549,8 @@ def bench_command(ctx: click.Context, suites: tuple[str, ...], quick: bool, out:
     an H200; list options (comma-separated) widen any axis.  Exits with 1 when a flashgen check or
     compile fails.
     """
-    from .bench import report, suites as bench_suites
+    from .bench import report
+    from .bench import suites as bench_suites
 
     settings = bench_settings.resolve(quick, suites=suites or None, **options)
     results = bench_suites.run(settings, progress=lambda message: click.echo(message, err=True))
