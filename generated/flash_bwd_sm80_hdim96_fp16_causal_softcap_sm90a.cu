@@ -3,10 +3,11 @@
 #include "flash_params.cuh"
 #include "bwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __launch_bounds__(256, 1)
 flash_bwd_sm80_hdim96_fp16_causal_softcap_sm90a(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
-        flashgen::half_t, /*kHeadDim=*/96, /*kNWarps=*/4,
-        /*kDSlices=*/1, flashgen::Mask::Causal, /*kSoftcap=*/true>;
+        flashgen::half_t, /*kHeadDim=*/96, /*kNWarps=*/8,
+        /*kBlockM=*/64, /*kDSlices=*/1, flashgen::Mask::Causal,
+        /*kSoftcap=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

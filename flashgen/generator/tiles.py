@@ -102,11 +102,12 @@ ROW_KERNEL_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
-    num_warps: int  # 16 keys per warp for dK/dV, 16 queries per warp for dQ: blocks of 16 * warps
+    num_warps: int  # 16 keys per warp: the CTA owns 16 * num_warps keys
+    block_m: int    # queries per step
     d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
 
     @property
-    def block(self) -> int:
+    def block_n(self) -> int:
         return 16 * self.num_warps
 
     @property
@@ -114,17 +115,24 @@ class BwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, Q, dO tiles (padded rows), the dSᵀ tile and the LSE / D rows."""
-        rows = 4 * self.block * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
-        ds = self.block * (self.block + SMEM_ROW_PAD) * ELEMENT_BYTES
-        return rows + ds + 2 * self.block * 4
+        """K, V (block_n rows), Q, dO (block_m rows), padded; the dSᵀ tile; the LSE and D rows."""
+        rows = (2 * self.block_n + 2 * self.block_m) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        ds = self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES
+        return rows + ds + 2 * self.block_m * 4
+
+
+# (head_dim) -> backward tile. Eight warps own 128 keys: each Q/dO step and each dQ atomic then
+# serves twice the keys of a 64-key CTA. Above d128 the head dim is split in two for dK/dV/dQ.
+_BWD_SM80_LARGE = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
+                   192: BwdTile(4, 64, 2), 256: BwdTile(4, 64, 2)}
+_BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(4, 64, 1),
+                   192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}
 
 
 def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile:
     if family != "sm80":
         raise ValueError(f"no backward tile table for family {family!r}")
-    slices = 1 if head_dim <= 128 else 2
-    warps = 4 if smem_limit(arch) >= 163 * 1024 or head_dim <= 128 else 2
-    tile = BwdTile(warps, slices)
+    table = _BWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _BWD_SM80_SMALL
+    tile = table[head_dim]
     assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
     return tile

@@ -45,7 +45,7 @@ def plan_bwd(
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
     spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0)
-    grid = (max(1, -(-seqlen_k // tile.block)), nheads_k * tile.d_slices, batch)
+    grid = (max(1, -(-seqlen_k // tile.block_n)), nheads_k * tile.d_slices, batch)
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
 
@@ -91,7 +91,7 @@ def flash_bwd(
     dq_accum = torch.empty((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
     semaphores = None
     if deterministic:
-        m_blocks = -(-seqlen_q // plan.tile.block)
+        m_blocks = -(-seqlen_q // plan.tile.block_m)
         semaphores = torch.zeros((batch, nheads, m_blocks), dtype=torch.int32, device=q.device)
 
     row_values = dict(

@@ -3,7 +3,7 @@
 //
 // One CTA owns kBlockN keys of one KV head (and, for head dims above 128, one slice of the head
 // dim for dK/dV/dQ) and loops over the query heads of its group and the query blocks that see its
-// keys:
+// keys (the next step's Q, dO, LSE, D are fetched during this step's dQ product):
 //
 //   load Q(m), dO(m), LSE(m), D(m)
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (each warp: 16 keys x kBlockM queries)
@@ -23,24 +23,29 @@
 
 namespace flashgen {
 
-template <typename Element_, int kHeadDim_, int kNWarps_, int kDSlices_, Mask kMask_, bool kSoftcap_>
+template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, Mask kMask_, bool kSoftcap_>
 struct BwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kBlockN = 16 * kNWarps;  // keys: 16 per warp
-    static constexpr int kBlockM = 16 * kNWarps;  // queries per step: 16 per warp for dQ
+    static constexpr int kBlockN = 16 * kNWarps;  // keys: 16 per warp for Sᵀ, dPᵀ, dK, dV
+    static constexpr int kBlockM = kBlockM_;      // queries per step
     static constexpr int kDSlices = kDSlices_;    // dK/dV/dQ columns are split over CTAs
     static constexpr int kDSlice = kHeadDim / kDSlices;
+    // dQ(step) = dS · K is split over the warps as kDQRowGroups x kDQColGroups tiles of 16 rows.
+    static constexpr int kDQRowGroups = kBlockM / 16;
+    static constexpr int kDQColGroups = kNWarps / kDQRowGroups;
+    static constexpr int kDQCols = kDSlice / kDQColGroups;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr int kStride = kHeadDim + 8;   // padded rows, as in the forward
     static constexpr int kDSStride = kBlockM + 8;
     static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
-    static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV/dQ
-    static_assert(kDSlice % 16 == 0, "head-dim slices are multiples of 16");
+    static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV
+    static_assert(kDSlice % 16 == 0 && kDQCols % 16 == 0, "column tiles are multiples of 16");
+    static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");
 };
 
 // C[16 x kCols] += A(16 rows at a_addr, k = kK) · B where B's rows are the n index (non-transposed
@@ -169,7 +174,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
-    // This thread's Sᵀ rows (keys) and, per n8 tile, its two query columns.
+    // This thread's Sᵀ rows (keys); its query columns are 2 * (lane % 4) + {0, 1} of each n8 tile.
     int const key_row[2] = {key0 + warp * 16 + lane / 4, key0 + warp * 16 + lane / 4 + 8};
     uint32_t const sK_warp = smem_u32(sK + warp * 16 * kStride);
     uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
@@ -177,146 +182,158 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
     int* semaphores = reinterpret_cast<int*>(params.semaphore_ptr);
+    // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
+    int const dq_row0 = (warp % Tr::kDQRowGroups) * 16;
+    int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
 
-    for (int h_in_group = 0; h_in_group < qhpk; ++h_in_group) {
-        int const bidh = bidh_kv * qhpk + h_in_group;
-        float const slope = slopes != nullptr
-            ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
+    // Steps enumerate (query head of the group, query block); the Q, dO, LSE and D rows of step
+    // t + 1 are fetched while step t finishes (its dQ product and atomics).
+    int const m_count = max(m_block_max - m_block_min, 0);
+    int const steps = qhpk * m_count;
+    auto issue_step = [&](int t) {
+        int const bidh = bidh_kv * qhpk + t / m_count;
+        int const q0 = (m_block_min + t % m_count) * kBlockM;
         const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
         const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
-        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;  // LSE / D / dq rows
+        copy_rows_async<MCopy>(sQ, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+            return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
+        }));
+        copy_rows_async<MCopy>(sdO, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+            return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
+        }));
+        // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded
+        // rows read 0 for both: their Q and dO rows are 0, so they still contribute exactly 0.
+        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;
+        for (int r = tid; r < kBlockM; r += Tr::kNThreads) {
+            bool const valid = q0 + r < seqlen_q;
+            cp_async_4(smem_u32(sLSE + r), reinterpret_cast<const float*>(params.lse_ptr) + row_stats + q0 + r, valid);
+            cp_async_4(smem_u32(sD + r), reinterpret_cast<const float*>(params.dsum_ptr) + row_stats + q0 + r, valid);
+        }
+        cp_async_commit();
+    };
+    if (steps > 0) issue_step(0);
 
-        for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-            int const q0 = m_block * kBlockM;
-            __syncthreads();  // the previous step is done with sQ, sdO, sdS, sLSE, sD
-            copy_rows_async<MCopy>(sQ, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
-                return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
-            }));
-            copy_rows_async<MCopy>(sdO, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
-                return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
-            }));
-            cp_async_commit();
-            for (int r = tid; r < kBlockM; r += Tr::kNThreads) {
-                bool const valid = q0 + r < seqlen_q;
-                float const lse = valid ? reinterpret_cast<const float*>(params.lse_ptr)[row_stats + q0 + r] : kInfinity;
-                // exp2(s * scale_log2 - lse_log2): a row that saw no key (lse -inf) or a padded row
-                // gets +inf here, so its probabilities are 0.
-                sLSE[r] = lse == -kInfinity ? kInfinity : lse * 1.4426950408889634f;
-                sD[r] = valid ? reinterpret_cast<const float*>(params.dsum_ptr)[row_stats + q0 + r] : 0.f;
-            }
-            cp_async_wait<0>();
-            __syncthreads();
+    for (int t = 0; t < steps; ++t) {
+        int const bidh = bidh_kv * qhpk + t / m_count;
+        int const m_block = m_block_min + t % m_count;
+        int const q0 = m_block * kBlockM;
+        float const slope = slopes != nullptr
+            ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
+        cp_async_wait<0>();
+        __syncthreads();  // Q, dO (and K, V) landed; LSE, D written; the last step's dS reads done
 
-            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
-            float st[Tr::kMN][4], dpt[Tr::kMN][4];
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
+        float st[Tr::kMN][4], dpt[Tr::kMN][4];
 #pragma unroll
-            for (int i = 0; i < Tr::kMN; ++i)
+        for (int i = 0; i < Tr::kMN; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
-            gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
-            gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
+            for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+        gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
+        gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
 
-            bool const need_mask = kMasked && (
-                q0 + diag + params.window_right < key0 + kBlockN - 1 ||
-                (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0));
+        bool const need_mask = kMasked && (
+            q0 + diag + params.window_right < key0 + kBlockN - 1 ||
+            (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0));
 #pragma unroll
-            for (int mi = 0; mi < Tr::kMN; ++mi) {
+        for (int mi = 0; mi < Tr::kMN; ++mi) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int const key = key_row[e / 2];
-                    int const qcol = mi * 8 + 2 * (lane % 4) + (e % 2);
-                    int const query = q0 + qcol;
-                    float s = st[mi][e];
-                    float dtanh = 1.f;
-                    if constexpr (Tr::kSoftcap) {
-                        float const t = tanh_accurate(s * params.softcap_scale);
-                        s = params.softcap * t;
-                        dtanh = 1.f - t * t;
-                    }
-                    if (slopes != nullptr) {
-                        int const rel = query + diag - key;
-                        s -= slope * float(rel < 0 ? -rel : rel);
-                    }
-                    bool masked = false;
-                    if (need_mask) {
-                        masked = key > query + diag + params.window_right;
-                        if constexpr (Tr::kMask == Mask::Local) masked |= key < query + diag - params.window_left;
-                    }
-                    float const p = masked ? 0.f : exp2_approx(s * params.scale_log2 - sLSE[qcol]);
-                    st[mi][e] = p;
-                    dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
+            for (int e = 0; e < 4; ++e) {
+                int const key = key_row[e / 2];
+                int const qcol = mi * 8 + 2 * (lane % 4) + (e % 2);
+                int const query = q0 + qcol;
+                float s = st[mi][e];
+                float dtanh = 1.f;
+                if constexpr (Tr::kSoftcap) {
+                    float const t_ = tanh_accurate(s * params.softcap_scale);
+                    s = params.softcap * t_;
+                    dtanh = 1.f - t_ * t_;
                 }
+                if (slopes != nullptr) {
+                    int const rel = query + diag - key;
+                    s -= slope * float(rel < 0 ? -rel : rel);
+                }
+                bool masked = false;
+                if (need_mask) {
+                    masked = key > query + diag + params.window_right;
+                    if constexpr (Tr::kMask == Mask::Local) masked |= key < query + diag - params.window_left;
+                }
+                // A row that saw no key has lse -inf and probabilities 0 (not exp(+inf)).
+                float const lse = sLSE[qcol];
+                float const p = masked || lse == -kInfinity
+                    ? 0.f : exp2_approx(s * params.scale_log2 - lse * 1.4426950408889634f);
+                st[mi][e] = p;
+                dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
             }
+        }
 
-            uint32_t pt[Tr::kMN / 2][4], dst[Tr::kMN / 2][4];
-            to_a_fragments<Element, Tr::kMN>(pt, st);
-            to_a_fragments<Element, Tr::kMN>(dst, dpt);
-            gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
-            gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
-
-            // dSᵀ to shared memory; then dQ(16 query rows of this warp) = dS · K.
+        uint32_t pt[Tr::kMN / 2][4], dst[Tr::kMN / 2][4];
+        to_a_fragments<Element, Tr::kMN>(pt, st);
+        to_a_fragments<Element, Tr::kMN>(dst, dpt);
+        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
+        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
 #pragma unroll
-            for (int mi = 0; mi < Tr::kMN; ++mi) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    int const r = warp * 16 + lane / 4 + half * 8;
-                    *reinterpret_cast<uint32_t*>(sdS + r * Tr::kDSStride + mi * 8 + 2 * (lane % 4)) =
-                        Element::pack2(dpt[mi][2 * half], dpt[mi][2 * half + 1]);
-                }
-            }
-            __syncthreads();
-            float acc_dq[Tr::kDN][4];
-#pragma unroll
-            for (int i = 0; i < Tr::kDN; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
-            {
-                // A = dS (queries x keys) read transposed from dSᵀ: octet j of the lanes addresses
-                // key rows (j / 2) * 8.. and query columns (j % 2) * 8.. of the 16 x 16 step.
-                uint32_t a[kBlockN / 16][4];
-                uint32_t const a_base = smem_u32(sdS) +
-                    (((lane / 16) * 8 + lane % 8) * Tr::kDSStride + warp * 16 + ((lane / 8) % 2) * 8) * 2;
-#pragma unroll
-                for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                    ldmatrix_x4_trans(a[kk], a_base + kk * 16 * Tr::kDSStride * 2);
-                }
-                gemm_a_reg_b<Element, kBlockN, Tr::kDN, kStrideBytes>(acc_dq, a, smem_u32(sK) + col0 * 2, lane);
-            }
-            // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
-            if (semaphores != nullptr) {
-                // Deterministic: the key blocks that see this query block add to it one after
-                // another, in key order. They are n_first.. (a local window's left edge skips the
-                // first ones); lower blocks are launched first, so the wait always ends.
-                int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
-                int* sem = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block;
-                if (tid == 0) {
-                    while (atomicAdd(sem, 0) != n_block - n_first) {
-                    }
-                }
-                __syncthreads();
-            }
+        for (int mi = 0; mi < Tr::kMN; ++mi) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                int const query = q0 + warp * 16 + lane / 4 + half * 8;
-                if (query < seqlen_q) {
-                    float* dq_row = dq_accum + (row_stats + query) * head_dim;
+                int const r = warp * 16 + lane / 4 + half * 8;
+                *reinterpret_cast<uint32_t*>(sdS + r * Tr::kDSStride + mi * 8 + 2 * (lane % 4)) =
+                    Element::pack2(dpt[mi][2 * half], dpt[mi][2 * half + 1]);
+            }
+        }
+        __syncthreads();  // every warp is done with sQ, sdO, sLSE, sD; all of dSᵀ is written
+        if (t + 1 < steps) issue_step(t + 1);
+
+        // dQ tile of this warp = dS (its 16 queries x all keys) · K (all keys x its columns).
+        float acc_dq[Tr::kDQCols / 8][4];
 #pragma unroll
-                    for (int di = 0; di < Tr::kDN; ++di) {
-                        int const col = col0 + di * 8 + 2 * (lane % 4);
-                        if (col < head_dim) {
-                            atomicAdd(dq_row + col, acc_dq[di][2 * half]);
-                            atomicAdd(dq_row + col + 1, acc_dq[di][2 * half + 1]);
-                        }
+        for (int i = 0; i < Tr::kDQCols / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+        {
+            // A = dS read transposed from dSᵀ: octet j of the lanes addresses key rows (j / 2) * 8..
+            // and query columns (j % 2) * 8.. of each 16 x 16 step.
+            uint32_t a[kBlockN / 16][4];
+            uint32_t const a_base = smem_u32(sdS) +
+                (((lane / 16) * 8 + lane % 8) * Tr::kDSStride + dq_row0 + ((lane / 8) % 2) * 8) * 2;
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                ldmatrix_x4_trans(a[kk], a_base + kk * 16 * Tr::kDSStride * 2);
+            }
+            gemm_a_reg_b<Element, kBlockN, Tr::kDQCols / 8, kStrideBytes>(acc_dq, a, smem_u32(sK) + dq_col0 * 2, lane);
+        }
+        // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
+        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;
+        int* sem = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block;
+        if (semaphores != nullptr) {
+            // Deterministic: the key blocks that see this query block add to it one after another,
+            // in key order. They are n_first.. (a local window's left edge skips the first ones);
+            // lower blocks are launched first, so the wait always ends.
+            int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
+            if (tid == 0) {
+                while (atomicAdd(sem, 0) != n_block - n_first) {
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int const query = q0 + dq_row0 + lane / 4 + half * 8;
+            if (query < seqlen_q) {
+                float* dq_row = dq_accum + (row_stats + query) * head_dim;
+#pragma unroll
+                for (int di = 0; di < Tr::kDQCols / 8; ++di) {
+                    int const col = dq_col0 + di * 8 + 2 * (lane % 4);
+                    if (col < head_dim) {
+                        atomicAdd(dq_row + col, acc_dq[di][2 * half]);
+                        atomicAdd(dq_row + col + 1, acc_dq[di][2 * half + 1]);
                     }
                 }
             }
-            if (semaphores != nullptr) {
-                __threadfence();
-                __syncthreads();
-                if (tid == 0) {
-                    atomicAdd(semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block, 1);
-                }
-            }
+        }
+        if (semaphores != nullptr) {
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) atomicAdd(sem, 1);
         }
     }
 

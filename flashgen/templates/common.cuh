@@ -62,6 +62,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                  "r"(src_bytes));
 }
 
+// 4-byte variant (cp.async.ca: only .ca copies fewer than 16 bytes); zero-filled when !valid.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool valid) {
+    int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
+                 "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

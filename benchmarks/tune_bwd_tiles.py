@@ -1,0 +1,60 @@
+"""Try backward tile configurations on the device (the backward pass alone).
+
+    python benchmarks/tune_bwd_tiles.py --head-dims 64,128 --seqlen 4096
+
+Each candidate is patched into tiles._BWD_SM80_LARGE for its measurement (its rendered source
+differs, so it gets its own cache entry). bf16, batch x seqlen = 16k tokens, hidden 2048; TFLOP/s of
+the backward with FlashAttention's count (2.5 x the forward's 4·b·h·s²·d, halved when causal).
+"""
+import argparse
+import itertools
+
+import torch
+import triton.testing
+
+import flashgen
+from flashgen.generator import cache, tiles
+from flashgen.runtime import launch
+
+CANDIDATES = {
+    64: [(8, 64, 1), (4, 64, 1)],
+    128: [(8, 64, 1), (4, 64, 1)],
+    256: [(4, 64, 2)],
+}
+
+
+def measure(head_dim: int, causal: bool, seqlen: int) -> float:
+    batch, nheads = 16384 // seqlen, 2048 // head_dim
+    q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = flashgen.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                 return_mode="median")
+    flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    return flops / ms / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    args = parser.parse_args()
+    table = tiles._BWD_SM80_LARGE
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        original = table[head_dim]
+        for (warps, block_m, slices), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
+            table[head_dim] = tiles.BwdTile(warps, block_m, slices)
+            launch._loaded.clear()  # both memos are keyed by spec, which the tile is not part of
+            cache._cubins.clear()
+            try:
+                tflops = measure(head_dim, causal, args.seqlen)
+                print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} slices {slices}: "
+                      f"{tflops:6.1f} TFLOP/s", flush=True)
+            except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
+                print(f"bwd d{head_dim} causal={int(causal)} warps {warps}: failed: {exc}", flush=True)
+        table[head_dim] = original
+
+
+if __name__ == "__main__":
+    main()
