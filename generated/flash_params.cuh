@@ -254,7 +254,7 @@ struct BwdParams {
     void* dk_ptr;  // like k
     void* dv_ptr;  // like v
     void* alibi_slopes_ptr;  // float ALiBi slopes (batch?, nheads), or null
-    void* semaphore_ptr;  // int (batch, nheads, query blocks), zeroed: deterministic dQ; null otherwise
+    void* semaphore_ptr;  // int (batch, nheads, d slices, query blocks), zeroed: deterministic dQ; or null
     long long q_batch_stride;  // elements
     long long q_row_stride;  // elements
     long long q_head_stride;  // elements

@@ -54,7 +54,9 @@ def _strides3(t: torch.Tensor) -> dict:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+    """Kernels copy 16-byte row chunks: a contiguous last dim, 16-byte aligned rows. dout arrives in
+    whatever layout autograd made (expanded from a sum, interleaved from a stack, ...)."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
         return t
     return t.contiguous()
 
@@ -92,7 +94,8 @@ def flash_bwd(
     semaphores = None
     if deterministic:
         m_blocks = -(-seqlen_q // plan.tile.block_m)
-        semaphores = torch.zeros((batch, nheads, m_blocks), dtype=torch.int32, device=q.device)
+        # One counter per (query block, head-dim slice): each slice's CTAs add in key order.
+        semaphores = torch.zeros((batch, nheads, plan.tile.d_slices, m_blocks), dtype=torch.int32, device=q.device)
 
     row_values = dict(
         o_ptr=out.data_ptr(), do_ptr=dout.data_ptr(), dsum_ptr=dsum.data_ptr(),

@@ -270,19 +270,19 @@ def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _, _, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.alibi_slopes = alibi_slopes
+    # Slopes go through save_for_backward too, so an in-place change before backward is caught.
+    ctx.save_for_backward(q, k, v, out, lse, *([alibi_slopes] if alibi_slopes is not None else []))
     ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, dlse):
     del dlse  # lse is not differentiable
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *alibi = ctx.saved_tensors
     softmax_scale, causal, window_left, window_right, softcap, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _bwd_op(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
-            softcap, ctx.alibi_slopes, deterministic)
+            softcap, alibi[0] if alibi else None, deterministic)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

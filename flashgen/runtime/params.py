@@ -145,7 +145,7 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("dk_ptr", "ptr", "like k"),
     Field("dv_ptr", "ptr", "like v"),
     Field("alibi_slopes_ptr", "ptr", "float ALiBi slopes (batch?, nheads), or null"),
-    Field("semaphore_ptr", "ptr", "int (batch, nheads, query blocks), zeroed: deterministic dQ; null otherwise"),
+    Field("semaphore_ptr", "ptr", "int (batch, nheads, d slices, query blocks), zeroed: deterministic dQ; or null"),
     *_strided("q", ("batch", "row", "head"), "elements"),
     *_strided("k", ("batch", "row", "head"), "elements"),
     *_strided("v", ("batch", "row", "head"), "elements"),

@@ -13,9 +13,8 @@
 //   under deterministic mode, through a per-row-block semaphore)
 //
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
-// any register transpose; only dS crosses shared memory. Padded query rows have LSE = +inf and
-// D = 0, so they contribute exactly 0; padded key rows are zero-filled, so their dQ terms vanish
-// and their dK/dV rows are never stored.
+// any register transpose; only dS crosses shared memory. Padded query rows are zero (Q, dO, D),
+// so they contribute exactly 0; padded key rows are masked, and their dK/dV rows never stored.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -231,9 +230,11 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
         gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
 
-        bool const need_mask = kMasked && (
+        // Keys past seqlen_k are zero rows; masked anyway, since exp(0 - lse) overflows when lse
+        // is very negative, and inf times a zero K row is NaN.
+        bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
             q0 + diag + params.window_right < key0 + kBlockN - 1 ||
-            (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0));
+            (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0)));
 #pragma unroll
         for (int mi = 0; mi < Tr::kMN; ++mi) {
 #pragma unroll
@@ -254,7 +255,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                 }
                 bool masked = false;
                 if (need_mask) {
-                    masked = key > query + diag + params.window_right;
+                    masked = key >= seqlen_k;
+                    if constexpr (kMasked) masked |= key > query + diag + params.window_right;
                     if constexpr (Tr::kMask == Mask::Local) masked |= key < query + diag - params.window_left;
                 }
                 // A row that saw no key has lse -inf and probabilities 0 (not exp(+inf)).
@@ -303,7 +305,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         }
         // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
         int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;
-        int* sem = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks + m_block;
+        int* sem = semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks + m_block;
         if (semaphores != nullptr) {
             // Deterministic: the key blocks that see this query block add to it one after another,
             // in key order. They are n_first.. (a local window's left edge skips the first ones);

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashgen.testing import assert_lse_close, generate_alibi_slopes
-from test_fwd import DTYPE_NAMES, check_fwd, make_qkv
+from test_fwd import DTYPE_NAMES, _seed, check_fwd, make_qkv  # noqa: F401 (_seed: autouse seeding)
 
 pytestmark = pytest.mark.gpu
 
