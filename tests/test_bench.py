@@ -248,10 +248,14 @@ def test_sdpa_decode_without_enable_gqa_repeats_the_heads_and_says_so(monkeypatc
         report.notes(canned_results(decode=[row])))
 
 
-def test_decode_graphs_only_under_100us_and_graph_failures_are_notes():
+def test_decode_graph_is_the_headline_for_short_calls_and_graph_failures_are_notes():
     config = {**DECODE, "layout": "contiguous", "page_size": None}
-    slow = suites.decode_row(config, impls()[:1], FakeTimers(eager_us=150.0).timers(), CEILINGS, "cpu", 1 << 30)
-    assert slow["impls"]["flashgen"]["us"] == 150.0 and slow["impls"]["flashgen"]["us_graph"] is None
+    short = suites.decode_row(config, impls()[:1], FakeTimers(eager_us=150.0).timers(), CEILINGS, "cpu", 1 << 30)
+    assert short["impls"]["flashgen"]["us_eager"] == 150.0
+    assert short["impls"]["flashgen"]["us"] == short["impls"]["flashgen"]["us_graph"] is not None
+    long_eager = suites.GRAPH_BELOW_US + 1
+    slow = suites.decode_row(config, impls()[:1], FakeTimers(eager_us=long_eager).timers(), CEILINGS, "cpu", 1 << 30)
+    assert slow["impls"]["flashgen"]["us"] == long_eager
     failing = FakeTimers(graph_error=RuntimeError("operation not permitted when stream is capturing"))
     row = suites.decode_row(config, impls()[:1], failing.timers(), CEILINGS, "cpu", 1 << 30)
     assert row["impls"]["flashgen"]["us"] == 40.0

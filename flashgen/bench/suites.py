@@ -30,12 +30,14 @@ from .peers import DecodeInputs, Impl, PrefillInputs, Skip, describe
 from .settings import FLASHGEN, Settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# flashgen passes when |out - ref| <= CHECK_RMS * rms(ref) + CHECK_RTOL * |ref| everywhere: two
-# correct kernels differ by a few ulps, a wrong block or row by about the outputs' own size.
-CHECK_RMS, CHECK_RTOL = 0.05, 2e-2
-# Decode calls faster than this are also replayed from a CUDA graph, whose figure is the headline:
-# there the launch cost, not the kernel, would otherwise be measured.
-GRAPH_BELOW_US = 100.0
+# flashgen passes when |out - ref| <= CHECK_RMS * rms(ref) + CHECK_RTOL * |ref| + CHECK_MAX * max|ref|
+# everywhere: two correct kernels differ by a few ulps, a wrong block or row by about the outputs'
+# own size. The max term covers bf16 gradients of two correct kernels (different accumulation
+# orders, seqlen 4096), seen 0.0156 apart where max|g| = 5.8 (half an ulp there).
+CHECK_RMS, CHECK_RTOL, CHECK_MAX = 0.05, 2e-2, 5e-3
+# Decode calls are also replayed from a CUDA graph; below this the graph's figure is the headline,
+# since an eager call that short measures the host's launch path, not the kernel.
+GRAPH_BELOW_US = 400.0
 SEED = 0
 # A cached instance loaded by a fresh interpreter, timed apart from the imports.
 WARM_SNIPPET = r"""
@@ -74,7 +76,7 @@ def check_close(out, ref, against: str) -> dict:
             return {**result, "ok": False, "error": f"shape {tuple(o.shape)}, reference {tuple(r.shape)}"}
         o, r = o.detach().float(), r.detach().float()
         err = (o - r).abs()
-        allowed = CHECK_RMS * r.square().mean().sqrt() + CHECK_RTOL * r.abs()
+        allowed = CHECK_RMS * r.square().mean().sqrt() + CHECK_RTOL * r.abs() + CHECK_MAX * r.abs().max()
         result["ok"] &= bool((err <= allowed).all())  # NaN fails the comparison
         result["max_abs_err"] = max(result["max_abs_err"], err.max().item())
         result["max_abs_ref"] = max(result["max_abs_ref"], r.abs().max().item())
@@ -220,12 +222,12 @@ def _decode_reference(out: torch.Tensor, x: DecodeInputs):
 
 def _time_decode(calls: list, timers: Timers, kv_bytes: int) -> dict:
     entry = {"us_eager": timers.decode_us(calls, False), "us_graph": None}
-    if entry["us_eager"] < GRAPH_BELOW_US:
-        try:
-            entry["us_graph"] = timers.decode_us(calls, True)
-        except Exception as exc:  # e.g. a call that synchronizes, which capture forbids
-            entry["graph_skipped"] = describe(exc)
-    entry["us"] = entry["us_graph"] or entry["us_eager"]
+    try:
+        entry["us_graph"] = timers.decode_us(calls, True)
+    except Exception as exc:  # e.g. a call that synchronizes, which capture forbids
+        entry["graph_skipped"] = describe(exc)
+    use_graph = entry["us_graph"] is not None and entry["us_eager"] < GRAPH_BELOW_US
+    entry["us"] = entry["us_graph"] if use_graph else entry["us_eager"]
     entry["tbps"] = kv_bytes / entry["us"] / 1e6
     return entry
 

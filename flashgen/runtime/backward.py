@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -30,6 +31,7 @@ class BwdPlan:
         return self.tile.smem_bytes(self.spec.head_dim)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_bwd(
     *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
     causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],

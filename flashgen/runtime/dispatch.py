@@ -4,6 +4,7 @@ launch geometry. Testable on the CPU; the place where mask and PackGQA decisions
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 from ..generator import matrix
@@ -71,6 +72,7 @@ def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seql
     return "local", left_eff, right_eff
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_fwd(
     *,
     dtype: str,
@@ -89,7 +91,8 @@ def plan_fwd(
     num_splits: int = 1,
     family: str | None = None,
 ) -> FwdPlan:
-    """Choose the forward instance, its grid and the split count.
+    """Choose the forward instance, its grid and the split count. A pure function of hashable
+    arguments, memoized: a call shape seen before costs one dictionary lookup.
 
     ``dtype`` is "fp16"/"bf16" or a torch dtype; ``seqlen_k`` is the key count, or for a KV cache
     its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and

@@ -1,6 +1,7 @@
 """The public forward API, a drop-in for flash_attn 2.x's ``flash_attn_func`` family."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import typing
@@ -120,13 +121,18 @@ def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index:
         kernel.launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
 
 
+@functools.lru_cache(maxsize=64)
+def _combine_spec(capability: tuple[int, int], dtype: torch.dtype) -> KernelSpec:
+    arch = matrix.target_arch(*capability)
+    return KernelSpec("combine", matrix.family_for(arch), arch, _COMBINE_DTYPES[dtype])
+
+
 def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_partial_strides,
                    out_strides, lse_strides, num_splits, batch, seqlen, nheads, head_dim) -> None:
     """Merge split-KV partials. Strides are (split, batch, row, head) for partials and
     (batch, row, head) for outputs, in elements."""
     index = device_index(out)
-    arch = matrix.target_arch(*device_info(index).capability)
-    spec = KernelSpec("combine", matrix.family_for(arch), arch, _COMBINE_DTYPES[out.dtype])
+    spec = _combine_spec(device_info(index).capability, out.dtype)
     values = dict(
         out_partial_ptr=out_partial.data_ptr(), lse_partial_ptr=lse_partial.data_ptr(),
         out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
@@ -155,8 +161,11 @@ def run_fwd(
     has_softcap = softcap > 0
     splits = plan.num_splits
     if splits > 1:
-        oaccum = torch.empty((splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
-        lseaccum = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        # One allocation for both partial buffers (an allocation is several microseconds).
+        o_elems = splits * batch * seqlen_q * nheads * head_dim
+        scratch = torch.empty(o_elems + splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
+        oaccum = scratch[:o_elems].view(splits, batch, seqlen_q, nheads, head_dim)
+        lseaccum = scratch[o_elems:].view(splits, batch, nheads, seqlen_q)
     else:
         oaccum = lseaccum = None
     packed = params_mod.pack_fwd_values(
@@ -305,10 +314,14 @@ def flash_attn_func(
         raise ValueError(f"pack_gqa must be None (automatic), True or False, got {pack_gqa!r}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    out, lse = _fwd_op(
-        q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-        float(softcap), alibi_slopes, pack_gqa, int(num_splits), bool(deterministic),
-    )
+    args = (q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
+            float(softcap), alibi_slopes, pack_gqa, int(num_splits))
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if needs_grad or torch.compiler.is_compiling():
+        out, lse = _fwd_op(*args, bool(deterministic))
+    else:
+        # Eager inference skips the custom-op dispatch (tens of microseconds per call).
+        out, lse = _fwd(*args[:5], args[5:7], *args[7:])
     return (out, lse, None) if return_attn_probs else out
 
 
