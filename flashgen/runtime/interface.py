@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import typing
 
 import torch
@@ -13,91 +11,10 @@ from . import params as params_mod
 from ..generator import matrix
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS
+from . import validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .launch import get_kernel
-
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
-_GRID_YZ_LIMIT = 65535
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim), got shape "
-                f"{tuple(t.shape)}"
-            )
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    batch, _, nheads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k must have batch {batch} like q, got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
-    if head_dim % 8 != 0 or not 8 <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 in [8, {_MAX_HEAD_DIM}], got {head_dim}")
-    nheads_k = k.shape[2]
-    if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(
-            f"the number of query heads ({nheads}) must be a multiple of the number of key/value "
-            f"heads ({nheads_k})"
-        )
-    if batch > _GRID_YZ_LIMIT:
-        raise ValueError(f"batch must be at most {_GRID_YZ_LIMIT}, got {batch}")
-
-
-def _check_options(dropout_p, softmax_scale, window_size, softcap, num_splits) -> None:
-    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet (the backward issue adds dropout)")
-    if softmax_scale is not None and (
-        not isinstance(softmax_scale, numbers.Real) or not math.isfinite(softmax_scale) or softmax_scale <= 0
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, numbers.Integral) and w >= -1 for w in window_size)
-    ):
-        raise ValueError(f"window_size must be a pair of integers >= -1 (-1 = infinite), got {window_size!r}")
-    if not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
-    if not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic), got {num_splits!r}")
-
-
-def _check_alibi(alibi_slopes, q: torch.Tensor) -> None:
-    if alibi_slopes is None:
-        return
-    batch, _, nheads, _ = q.shape
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes must be on {q.device} like q, got {alibi_slopes.device}")
-    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(
-            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
-        )
-    if alibi_slopes.stride(-1) != 1:
-        raise ValueError("alibi_slopes must have a contiguous last dimension")
-
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Kernels copy 16-byte chunks: the base and every stride but the last must be 8-element aligned."""
@@ -220,20 +137,10 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
         softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(device_index(q)),
         num_splits=num_splits, family=config.forced_family(),
     )
-    _check_grid(plan)
+    validate.grid(plan)
     run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
             softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k)
     return out, lse
-
-
-def _check_grid(plan: FwdPlan) -> None:
-    if plan.grid[1] > _GRID_YZ_LIMIT:
-        raise ValueError(f"the number of heads must be at most {_GRID_YZ_LIMIT}, got {plan.grid[1]}")
-    if plan.grid[2] > _GRID_YZ_LIMIT:
-        raise ValueError(
-            f"batch * num_splits must be at most {_GRID_YZ_LIMIT}, got {plan.grid[2]} "
-            f"({plan.num_splits} splits); pass a smaller num_splits"
-        )
 
 
 # The forward and backward as torch.library custom ops: autograd connects them, and
@@ -307,11 +214,7 @@ def flash_attn_func(
     flash_attn 2.x semantics. Returns ``out``, or ``(out, softmax_lse, None)`` when
     ``return_attn_probs`` (softmax_lse: float32 (batch, nheads, seqlen_q), natural log).
     """
-    _check_qkv(q, k, v)
-    _check_options(dropout_p, softmax_scale, window_size, softcap, num_splits)
-    _check_alibi(alibi_slopes, q)
-    if pack_gqa not in (None, True, False):
-        raise ValueError(f"pack_gqa must be None (automatic), True or False, got {pack_gqa!r}")
+    validate.fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     args = (q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
@@ -330,10 +233,7 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """qkv (batch, seqlen, 3, nheads, d)."""
-    if not isinstance(qkv, torch.Tensor):
-        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, head_dim), got {tuple(qkv.shape)}")
+    validate.qkvpacked(qkv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
     return flash_attn_func(
         qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
@@ -345,10 +245,7 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """q (batch, seqlen_q, nheads, d), kv (batch, seqlen_k, 2, nheads_k, d)."""
-    if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-    if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, head_dim), got {tuple(kv.shape)}")
+    validate.kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
     return flash_attn_func(
         q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
