@@ -55,14 +55,6 @@ def _strides3(t: torch.Tensor) -> dict:
     return dict(zip(("batch", "row", "head"), t.stride()[:3]))
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """Kernels copy 16-byte row chunks: a contiguous last dim, 16-byte aligned rows. dout arrives in
-    whatever layout autograd made (expanded from a sum, interleaved from a stack, ...)."""
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
-        return t
-    return t.contiguous()
-
-
 def flash_bwd(
     dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
     window_size: tuple[int, int], softcap: float, alibi_slopes, deterministic: bool,
@@ -72,7 +64,7 @@ def flash_bwd(
     dk and dv come out already summed over the query heads of each KV head (GQA/MQA): one CTA
     loops over the group, so no expanded buffer is needed.
     """
-    from .interface import _launch  # the forward's launch helper (same device handling)
+    from .interface import _aligned, _launch  # shared with the forward (same device handling)
 
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]

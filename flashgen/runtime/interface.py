@@ -7,18 +7,21 @@ import typing
 import torch
 
 from .. import config
-from . import params as params_mod
 from ..generator import matrix
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS
+from . import params as params_mod
 from . import validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .launch import get_kernel
 
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """Kernels copy 16-byte chunks: the base and every stride but the last must be 8-element aligned."""
-    if t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
+    """Kernels copy 16-byte row chunks: a contiguous last dim, a 16-byte aligned base and strides
+    of whole 8-element chunks. Inputs are validated to have a contiguous last dim; dout arrives in
+    whatever layout autograd made (expanded from a sum, interleaved from a stack, ...)."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
         return t
     return t.contiguous()
 
