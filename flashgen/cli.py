@@ -537,7 +537,7 @@ def bench_command(ctx: click.Context, suites: tuple[str, ...], quick: bool, out:
       prefill  forward and forward+backward TFLOP/s on FlashAttention's shapes
                (batch x seqlen = 16k tokens, hidden 2048), causal or not, MHA or GQA
       decode   flash_attn_with_kvcache: new tokens against a long cache, contiguous
-               or paged; us per call (eager, and CUDA-graph replays under 100 us)
+               or paged; us per call (eager, and CUDA-graph replays of short calls)
                and TB/s of K+V read against the measured copy bandwidth
       compile  cold NVRTC compile per instance, warm cache load in a fresh process,
                the matrix with -j N, host time per call next to SDPA's

@@ -253,7 +253,7 @@ def test_decode_graph_is_the_headline_for_short_calls_and_graph_failures_are_not
     short = suites.decode_row(config, impls()[:1], FakeTimers(eager_us=150.0).timers(), CEILINGS, "cpu", 1 << 30)
     assert short["impls"]["flashgen"]["us_eager"] == 150.0
     assert short["impls"]["flashgen"]["us"] == short["impls"]["flashgen"]["us_graph"] is not None
-    long_eager = suites.GRAPH_BELOW_US + 1
+    long_eager = settings.GRAPH_BELOW_US + 1
     slow = suites.decode_row(config, impls()[:1], FakeTimers(eager_us=long_eager).timers(), CEILINGS, "cpu", 1 << 30)
     assert slow["impls"]["flashgen"]["us"] == long_eager
     failing = FakeTimers(graph_error=RuntimeError("operation not permitted when stream is capturing"))

@@ -13,7 +13,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from .settings import FLASHGEN, PEERS
+from .settings import FLASHGEN, GRAPH_BELOW_US, PEERS
 
 RESULTS_ROOT = Path("benchmarks") / "results"
 
@@ -107,7 +107,7 @@ def decode_table(rows: list[dict]) -> list[str]:
             *(_ratio(fg.get("tbps"), impls.get(n, {}).get("tbps")) for n in others),
         ])
     return [
-        "decode: us per call (CUDA-graph replay when the eager call is under 100 us, else eager), on K/V"
+        f"decode: us per call (CUDA-graph replay when the eager call is under {GRAPH_BELOW_US:.0f} us, else eager), on K/V"
         " rotated past L2; TB/s = K+V bytes / time; fg/copy = over the measured copy TB/s;"
         " fg/X = X's time over flashgen's",
         *_table(["config", "check", "fg us", "fg eager", "fg TB/s", "fg/copy",

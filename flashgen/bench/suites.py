@@ -35,9 +35,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # own size. The max term covers bf16 gradients of two correct kernels (different accumulation
 # orders, seqlen 4096), seen 0.0156 apart where max|g| = 5.8 (half an ulp there).
 CHECK_RMS, CHECK_RTOL, CHECK_MAX = 0.05, 2e-2, 5e-3
-# Decode calls are also replayed from a CUDA graph; below this the graph's figure is the headline,
-# since an eager call that short measures the host's launch path, not the kernel.
-GRAPH_BELOW_US = 400.0
 SEED = 0
 # A cached instance loaded by a fresh interpreter, timed apart from the imports.
 WARM_SNIPPET = r"""
@@ -226,7 +223,7 @@ def _time_decode(calls: list, timers: Timers, kv_bytes: int) -> dict:
         entry["us_graph"] = timers.decode_us(calls, True)
     except Exception as exc:  # e.g. a call that synchronizes, which capture forbids
         entry["graph_skipped"] = describe(exc)
-    use_graph = entry["us_graph"] is not None and entry["us_eager"] < GRAPH_BELOW_US
+    use_graph = entry["us_graph"] is not None and entry["us_eager"] < settings.GRAPH_BELOW_US
     entry["us"] = entry["us_graph"] if use_graph else entry["us_eager"]
     entry["tbps"] = kv_bytes / entry["us"] / 1e6
     return entry
