@@ -320,15 +320,21 @@ def doctor() -> None:
     problem = _cache_dir_status(directory)
     row("cache", f"{directory} ({'writable' if problem is None else 'not writable: ' + problem})")
     if problem is not None:
-        fixes.append("set FLASHGEN_CACHE_DIR to a writable folder")
+        fixes.append(f"set FLASHGEN_CACHE_DIR to a writable folder (until then new kernels are "
+                     f"cached in {cache.fallback_cache_dir()})")
 
     try:
         row("settings", f"FLASHGEN_FAMILY={config.forced_family() or '(auto)'}, "
                         f"FLASHGEN_CHECK_INPUTS={int(config.check_inputs())}, "
+                        f"FLASHGEN_DISABLE_JIT={int(config.disable_jit())}, "
                         f"NVRTC options: {' '.join(cache.compile_options())}")
     except ValueError as exc:
         row("settings", "invalid")
         fixes.append(str(exc))
+    else:
+        if config.disable_jit() and cache.cache_info().entries == 0:
+            fixes.append(f"FLASHGEN_DISABLE_JIT=1 but the cache {directory} is empty, so every "
+                         f"kernel call will fail: prebuild the kernels with `flashgen build`")
 
     if fixes:
         click.echo("\nto fix:")

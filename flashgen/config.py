@@ -46,6 +46,13 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "flashgen"
 
 
+def disable_jit() -> bool:
+    """FLASHGEN_DISABLE_JIT (default off): never compile at run time; a kernel missing from the
+    cache is an error naming the `flashgen build` command that makes it.  For deployments that
+    prebuild their kernels (and may keep the cache read-only)."""
+    return _env_bool("FLASHGEN_DISABLE_JIT", default=False)
+
+
 def cuda_home() -> Path | None:
     """CUDA_HOME (or CUDA_PATH, the Windows installer's name): a toolkit whose include/ may hold
     the CUDA headers NVRTC needs."""

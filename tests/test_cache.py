@@ -5,12 +5,18 @@ not the compiler.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import logging
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -248,3 +254,188 @@ def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
     assert [p.name for p in fresh_cache.iterdir()] == ["notes.txt"]
     cache.get_cubin(SPEC)  # the in-process memo was cleared too
     assert len(fake_nvrtc.calls) == 3
+
+
+@pytest.fixture
+def temp_root(monkeypatch, tmp_path) -> Path:
+    """tempfile's folder (where the fallback cache goes) in tmp_path, and no fallback decided."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    return root
+
+
+def fallback_dir(temp_root: Path) -> Path:
+    return temp_root / f"flashgen-{os.getuid()}"
+
+
+@pytest.mark.parametrize("kind", ["a-file", "under-a-file", "read-only"])
+def test_unwritable_cache_dir_falls_back_to_a_temp_dir(
+    fake_nvrtc, fresh_cache, temp_root, monkeypatch, caplog, kind
+):
+    if kind == "a-file":
+        configured = fresh_cache
+        configured.parent.mkdir(parents=True, exist_ok=True)
+        configured.write_text("not a folder")
+    elif kind == "under-a-file":
+        fresh_cache.parent.mkdir(parents=True, exist_ok=True)
+        (fresh_cache.parent / "file").write_text("")
+        configured = fresh_cache.parent / "file" / "cache"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only folders")
+        configured = fresh_cache
+        configured.mkdir(parents=True)
+        configured.chmod(0o500)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(configured))
+    probes = []
+    real_probe = cache._unwritable_reason
+    monkeypatch.setattr(cache, "_unwritable_reason", lambda d: probes.append(d) or real_probe(d))
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+        assert cache.get_cubin(OTHER_SPEC) == fake_nvrtc.cubin(OTHER_SPEC.uri)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert str(configured) in warnings[0] and str(fallback_dir(temp_root)) in warnings[0]
+    assert probes == [configured, fallback_dir(temp_root)]  # decided once, not per call
+    assert len(entry_files(fallback_dir(temp_root), ".cubin")) == 2
+    assert fallback_dir(temp_root).stat().st_mode & 0o777 == 0o700
+    # A new process finds the entries in the fallback without compiling.
+    monkeypatch.setattr(cache, "_cubins", {})
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri, OTHER_SPEC.uri]
+
+
+def test_unwritable_cache_dir_is_still_read(
+    fake_nvrtc, fresh_cache, temp_root, monkeypatch, caplog
+):
+    """A prebuilt cache mounted read-only serves its hits without a probe, lock or warning."""
+    cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cubins", {})  # a new process
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    real_probe = cache._unwritable_reason
+    monkeypatch.setattr(  # root ignores permission bits, so pretend
+        cache, "_unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d)
+    )
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert not caplog.records and cache._write_dirs == {}
+    cache.get_cubin(OTHER_SPEC)  # a miss goes to the fallback
+    assert fake_nvrtc.calls == [SPEC.uri, OTHER_SPEC.uri]
+    fallback_entries = entry_files(fallback_dir(temp_root), ".cubin")
+    assert [p.parent.name for p in fallback_entries] == [OTHER_SPEC.uri]
+    assert "read-only" in caplog.text
+
+
+def test_unusable_fallback_names_both_dirs(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
+    monkeypatch.setattr(cache, "_unwritable_reason", lambda d: "read-only")
+    with pytest.raises(OSError) as info:
+        cache.get_cubin(SPEC)
+    assert str(fresh_cache) in str(info.value) and str(fallback_dir(temp_root)) in str(info.value)
+    assert "FLASHGEN_CACHE_DIR" in str(info.value)
+
+
+@pytest.mark.parametrize("file_lock", ["real", "no-op"])
+def test_concurrent_threads_compile_once(fake_nvrtc, fresh_cache, monkeypatch, file_lock):
+    """Two threads ask for the same missing kernel at once: one compiles, both get it.  With the
+    file lock made a no-op, the in-process lock alone must keep it to one compile."""
+    if file_lock == "no-op":
+        monkeypatch.setattr(cache.filelock, "FileLock", lambda path: contextlib.nullcontext())
+    real_compile = fake_nvrtc.compile_cubin
+
+    def slow_compile(*args, **kwargs):
+        time.sleep(0.2)  # hold the lock while the other thread arrives
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", slow_compile)
+    barrier = threading.Barrier(2)
+
+    def worker() -> bytes:
+        barrier.wait()
+        return cache.get_cubin(SPEC)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = [f.result(timeout=30) for f in [pool.submit(worker) for _ in range(2)]]
+    assert results == [fake_nvrtc.cubin(SPEC.uri)] * 2
+    assert fake_nvrtc.calls == [SPEC.uri]
+
+
+def full_disk_on(monkeypatch, suffix: str) -> list[Path]:
+    """Make the temp-file write of the entry file ending in ``suffix`` fail with ENOSPC halfway
+    through, as a full disk does; returns the paths whose write failed."""
+    real_mkstemp, real_fdopen = tempfile.mkstemp, os.fdopen
+    doomed: dict[int, Path] = {}
+    failed: list[Path] = []
+
+    def mkstemp(*args, **kwargs):
+        fd, name = real_mkstemp(*args, **kwargs)
+        if f"{suffix}." in Path(name).name:  # mkstemp names it .<key><suffix>.<random>.tmp
+            doomed[fd] = Path(name)
+        return fd, name
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            super().write(bytes(data[: len(data) // 2]))
+            failed.append(doomed[self.fileno()])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def fdopen(fd, *args, **kwargs):
+        return FullDisk(fd, "wb") if fd in doomed else real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    return failed
+
+
+@pytest.mark.parametrize("suffix", [".cubin", ".json", ".cu"])
+def test_full_disk_leaves_no_half_entry(fake_nvrtc, fresh_cache, monkeypatch, caplog, suffix):
+    with monkeypatch.context() as patch:
+        failed = full_disk_on(patch, suffix)
+        with caplog.at_level(logging.WARNING, logger="flashgen"):
+            # The job goes on with the compiled kernel; the warning names the entry.
+            assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+        assert len(failed) == 1
+        assert "No space left on device" in caplog.text
+        assert str(fresh_cache / SPEC.uri) in caplog.text
+        key = failed[0].name.split(".")[1]
+        assert [p.name for p in (fresh_cache / SPEC.uri).iterdir()] == [f"{key}.lock"]
+        cache.get_cubin(SPEC)  # kept in memory for this process: not recompiled per call
+        assert fake_nvrtc.calls == [SPEC.uri]
+    # With space again, a new process recompiles into a whole entry.
+    monkeypatch.setattr(cache, "_cubins", {})
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri, SPEC.uri]
+    suffixes = sorted(p.suffix for p in (fresh_cache / SPEC.uri).iterdir())
+    assert suffixes == [".cu", ".cubin", ".json", ".lock"]
+
+
+def test_full_disk_fails_a_build(fake_nvrtc, fresh_cache, monkeypatch):
+    """`flashgen build` exists to fill the cache, so a write it could not make is its failure."""
+    full_disk_on(monkeypatch, ".cubin")
+    (result,) = cache.build([SPEC], jobs=1)
+    assert result.error is not None and "No space left on device" in result.error
+    assert str(fresh_cache / SPEC.uri) in result.error
+    assert not entry_files(fresh_cache, ".cubin") and not entry_files(fresh_cache, ".tmp")
+
+
+def test_disable_jit_miss_names_the_kernel_and_the_build_command(
+    fake_nvrtc, fresh_cache, monkeypatch
+):
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    with pytest.raises(cache.JitDisabledError) as info:
+        cache.get_cubin(SPEC)
+    message = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert SPEC.uri in message and str(fresh_cache) in message
+    assert f"flashgen build --arch {SPEC.arch} --filter {SPEC.uri}" in message
+    assert fake_nvrtc.calls == [] and not fresh_cache.exists()  # nothing compiled or written
+
+
+def test_disable_jit_still_loads_hits_and_builds(fake_nvrtc, fresh_cache, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    (result,) = cache.build([SPEC], jobs=1)  # the prebuild step compiles whatever the knob says
+    assert result.error is None and not result.cached
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri]

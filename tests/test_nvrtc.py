@@ -88,3 +88,38 @@ def test_include_dir_search_falls_back_to_cuda_home(monkeypatch, tmp_path):
     (tmp_path / "toolkit" / "include" / "cuda_fp16.h").write_text("")
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
     assert nvrtc.cuda_include_dir() == tmp_path / "toolkit" / "include"
+
+
+@pytest.fixture
+def fresh_version_memo():
+    """nvrtc_version is memoized per process: forget a fake NVRTC's answer, before and after."""
+    nvrtc.nvrtc_version.cache_clear()
+    yield
+    nvrtc.nvrtc_version.cache_clear()
+
+
+class MissingLibNvrtc:
+    """cuda.bindings.nvrtc when libnvrtc is absent: importing works, the first call raises."""
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise RuntimeError("Failure finding libnvrtc.so")
+
+        return call
+
+
+@pytest.mark.parametrize("how", ["first-call", "import"])
+def test_missing_nvrtc_says_what_to_install(monkeypatch, fresh_version_memo, how):
+    if how == "first-call":
+        monkeypatch.setattr(nvrtc, "_nvrtc", MissingLibNvrtc())
+    else:
+        monkeypatch.setattr(nvrtc, "_nvrtc", None)
+        monkeypatch.setattr(nvrtc, "_IMPORT_ERROR", ImportError("No module named 'cuda.bindings'"))
+    def compile_tiny():
+        return nvrtc.compile_cubin(TINY_KERNEL, "tiny", "sm_80", HEADERS, [])
+
+    for attempt in (nvrtc.nvrtc_version, compile_tiny):
+        with pytest.raises(nvrtc.NvrtcNotFoundError, match="pip install nvidia-cuda-nvrtc") as info:
+            attempt()
+        assert isinstance(info.value, RuntimeError)
+        assert ("libnvrtc" if how == "first-call" else "cuda.bindings") in str(info.value)

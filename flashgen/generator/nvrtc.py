@@ -7,9 +7,15 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from cuda.bindings import nvrtc as _nvrtc
-
 from .. import config
+
+try:
+    from cuda.bindings import nvrtc as _nvrtc
+except ImportError as exc:  # no cuda-bindings: say so at the first compile, not on import
+    _nvrtc = None
+    _IMPORT_ERROR: Exception | None = exc
+else:
+    _IMPORT_ERROR = None
 
 logger = logging.getLogger("flashgen")
 
@@ -24,6 +30,22 @@ INSTALL_HEADERS_HINT = (
     "`pip install nvidia-cuda-runtime` (matching NVRTC's major version), or set CUDA_HOME to a "
     "CUDA toolkit"
 )
+
+
+INSTALL_NVRTC_HINT = (
+    "flashgen compiles its kernels with NVRTC: `pip install nvidia-cuda-nvrtc cuda-bindings` "
+    "(for CUDA 12: nvidia-cuda-nvrtc-cu12 and cuda-bindings 12.x), or put a CUDA toolkit's "
+    "libnvrtc on the library path"
+)
+
+
+class NvrtcNotFoundError(RuntimeError):
+    """NVRTC (libnvrtc or the cuda-bindings package) cannot be loaded."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(
+            f"NVRTC is not usable ({type(cause).__name__}: {cause}): {INSTALL_NVRTC_HINT}"
+        )
 
 
 class CompileError(Exception):
@@ -45,7 +67,15 @@ class CompileError(Exception):
 
 @functools.cache
 def nvrtc_version() -> tuple[int, int]:
-    err, major, minor = _nvrtc.nvrtcVersion()
+    """NVRTC's (major, minor).  The first call into libnvrtc, so where a missing library shows:
+    raises NvrtcNotFoundError saying what to install."""
+    if _nvrtc is None:
+        raise NvrtcNotFoundError(_IMPORT_ERROR) from _IMPORT_ERROR
+    try:
+        err, major, minor = _nvrtc.nvrtcVersion()
+    # cuda.pathfinder raises its own error types (RuntimeError subclasses) when libnvrtc is absent.
+    except (RuntimeError, OSError) as exc:
+        raise NvrtcNotFoundError(exc) from exc
     _check(err, "nvrtcVersion")
     return major, minor
 
@@ -87,6 +117,7 @@ def compile_cubin(
     ``source_path`` is where the source already lies (the cache saves it); without one, a failed
     compile saves it to a temporary directory.  Raises CompileError when NVRTC rejects the program.
     """
+    nvrtc_version()  # a missing NVRTC fails here, with its fix, before anything else
     include_dir = cuda_include_dir()
     if include_dir is None:
         raise RuntimeError(INSTALL_HEADERS_HINT)

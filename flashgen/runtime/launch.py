@@ -20,6 +20,17 @@ class CudaError(RuntimeError):
     pass
 
 
+# cuLibraryLoadData errors meaning "this driver or GPU cannot run this cubin": most often NVRTC is
+# newer than the driver, or the cubin was built for another architecture.
+_INCOMPATIBLE_IMAGE_ERRORS = (
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+    "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    "CUDA_ERROR_INVALID_IMAGE",
+    "CUDA_ERROR_INVALID_PTX",
+    "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
+)
+
+
 def _import_driver():
     """cuda.bindings.driver, initialized once; a clear error when no NVIDIA driver is installed."""
     global _driver
@@ -50,6 +61,49 @@ def _error_text(driver, err) -> str:
     return f"{name} ({text})"
 
 
+def _is_incompatible_image(driver, err) -> bool:
+    return any(err == getattr(driver.CUresult, name, None) for name in _INCOMPATIBLE_IMAGE_ERRORS)
+
+
+def _version_text(version: tuple[int, int] | None) -> str:
+    return "{}.{}".format(*version) if version is not None else "(unknown)"
+
+
+def _incompatible_cubin_message(driver, spec: KernelSpec, err) -> str:
+    """Why the driver refused a cubin and how to fix it: the NVRTC that built it, its arch and the
+    CUDA version the driver supports."""
+    from ..generator import nvrtc
+
+    try:
+        nvrtc_version: tuple[int, int] | None = nvrtc.nvrtc_version()
+    except Exception:  # the cubin may come from a prebuilt cache on a machine without NVRTC
+        nvrtc_version = None
+    driver_err, encoded = driver.cuDriverGetVersion()
+    driver_version = (
+        (encoded // 1000, encoded % 1000 // 10)
+        if driver_err == driver.CUresult.CUDA_SUCCESS else None
+    )
+    built = (
+        f"the cubin was compiled by NVRTC {_version_text(nvrtc_version)} for {spec.arch}; "
+        f"the driver supports CUDA {_version_text(driver_version)}"
+    )
+    if nvrtc_version is not None and driver_version is not None and nvrtc_version <= driver_version:
+        cause = (
+            f"check that the GPU is a {spec.arch} device (FLASHGEN_FAMILY forces a family), or "
+            f"rebuild the entry with `flashgen cache clear`"
+        )
+    else:
+        cu12 = driver_version is not None and driver_version[0] < 13
+        wheel = "nvidia-cuda-nvrtc-cu12" if cu12 else "nvidia-cuda-nvrtc"
+        pin = "" if driver_version is None else f"=={_version_text(driver_version)}.*"
+        cause = (
+            f"a driver older than the NVRTC that built a cubin cannot load it: update the NVIDIA "
+            f"driver, or install the NVRTC matching the driver (pip install '{wheel}{pin}') "
+            f"and then run `flashgen cache clear`"
+        )
+    return f"loading {spec.uri} failed: {_error_text(driver, err)}; {built}. To fix: {cause}"
+
+
 def check(result, what: str):
     """Raise CudaError unless a cuda.bindings call succeeded; return its values."""
     driver = _driver
@@ -71,9 +125,10 @@ class LoadedKernel:
         self.spec = spec
         self.smem_bytes = smem_bytes
         self.num_threads = num_threads
-        self.library = check(
-            driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), f"loading {spec.uri}"
-        )
+        result = driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0)
+        if _is_incompatible_image(driver, result[0]):
+            raise CudaError(_incompatible_cubin_message(driver, spec, result[0]))
+        self.library = check(result, f"loading {spec.uri}")
         self.kernel = check(
             driver.cuLibraryGetKernel(self.library, spec.kernel_name.encode()),
             f"finding kernel {spec.kernel_name}",
