@@ -11,7 +11,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -251,16 +250,6 @@ def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:
     return f"supports CUDA {major}.{minor}", (major, minor), None
 
 
-def _cache_dir_status(directory: Path) -> str | None:
-    """None when the cache folder can be created and written, else why not."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            return None
-    except OSError as exc:
-        return str(exc)
-
-
 @cli.command()
 def doctor() -> None:
     """Check what flashgen needs, and say how to fix what is missing."""
@@ -317,7 +306,7 @@ def doctor() -> None:
             fixes.append(nvrtc.INSTALL_HEADERS_HINT)
 
     directory = config.cache_dir()
-    problem = _cache_dir_status(directory)
+    problem = cache.unwritable_reason(directory)
     row("cache", f"{directory} ({'writable' if problem is None else 'not writable: ' + problem})")
     if problem is not None:
         fixes.append(f"set FLASHGEN_CACHE_DIR to a writable folder (until then new kernels are "

@@ -290,8 +290,8 @@ def test_unwritable_cache_dir_falls_back_to_a_temp_dir(
         configured.chmod(0o500)
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(configured))
     probes = []
-    real_probe = cache._unwritable_reason
-    monkeypatch.setattr(cache, "_unwritable_reason", lambda d: probes.append(d) or real_probe(d))
+    real_probe = cache.unwritable_reason
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: probes.append(d) or real_probe(d))
     with caplog.at_level(logging.WARNING, logger="flashgen"):
         assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
         assert cache.get_cubin(OTHER_SPEC) == fake_nvrtc.cubin(OTHER_SPEC.uri)
@@ -315,9 +315,9 @@ def test_unwritable_cache_dir_is_still_read(
     cache.get_cubin(SPEC)
     monkeypatch.setattr(cache, "_cubins", {})  # a new process
     monkeypatch.setattr(cache, "_write_dirs", {})
-    real_probe = cache._unwritable_reason
+    real_probe = cache.unwritable_reason
     monkeypatch.setattr(  # root ignores permission bits, so pretend
-        cache, "_unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d)
+        cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d)
     )
     with caplog.at_level(logging.WARNING, logger="flashgen"):
         assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
@@ -330,7 +330,7 @@ def test_unwritable_cache_dir_is_still_read(
 
 
 def test_unusable_fallback_names_both_dirs(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
-    monkeypatch.setattr(cache, "_unwritable_reason", lambda d: "read-only")
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only")
     with pytest.raises(OSError) as info:
         cache.get_cubin(SPEC)
     assert str(fresh_cache) in str(info.value) and str(fallback_dir(temp_root)) in str(info.value)

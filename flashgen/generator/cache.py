@@ -148,7 +148,7 @@ def _entry(
     return _Entry(spec, source, headers, tuple(options), version, key, root / spec.uri)
 
 
-def _unwritable_reason(directory: Path) -> str | None:
+def unwritable_reason(directory: Path) -> str | None:
     """None when ``directory`` can be created and written, else why not."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -178,14 +178,14 @@ def write_dir(configured: Path | None = None) -> Path:
 
 
 def _choose_write_dir(configured: Path) -> Path:
-    reason = _unwritable_reason(configured)
+    reason = unwritable_reason(configured)
     if reason is None:
         return configured
     fallback = fallback_cache_dir()
     # 0o700: another user must not be able to plant cubins that this user's jobs would run.
     with contextlib.suppress(OSError):
         fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fallback_reason = _unwritable_reason(fallback)
+    fallback_reason = unwritable_reason(fallback)
     if fallback_reason is None and hasattr(os, "getuid") and fallback.stat().st_uid != os.getuid():
         fallback_reason = "owned by another user"
     if fallback_reason is not None:
