@@ -11,22 +11,25 @@ import argparse
 
 from flashgen.bench import peers, suites, timing
 from flashgen.generator import cache, tiles
-from flashgen.runtime import launch
+from flashgen.runtime import dispatch, launch
 
-SHAPES = {  # name -> (batch, keys)
-    "b1-s8k": (1, 8192),
-    "b1-s32k": (1, 32768),
-    "b1-s128k": (1, 131072),
-    "b32-s4k": (32, 4096),
-    "b128-s2k": (128, 2048),
+SHAPES = {  # name -> (batch, keys, query tokens)
+    "b1-s8k": (1, 8192, 1),
+    "b1-s32k": (1, 32768, 1),
+    "b1-s128k": (1, 131072, 1),
+    "b32-s4k": (32, 4096, 1),
+    "b128-s2k": (128, 2048, 1),
+    "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
-CANDIDATES = [(16, 64, 1), (16, 128, 1), (16, 32, 1), (32, 64, 2)]
+# (block_m, block_n, warps, stages, warps_n); stages are capped by shared memory (tiles.decode_tile).
+CANDIDATES = [(32, 64, 2, 3, 1), (16, 64, 4, 3, 4), (16, 64, 4, 4, 4), (16, 128, 4, 2, 4),
+              (16, 64, 2, 3, 2), (32, 64, 4, 3, 2), (16, 128, 8, 2, 8), (16, 32, 2, 6, 2)]
 
 
 def config(shape: str) -> dict:
-    batch, context = SHAPES[shape]
-    return {"dtype": "bf16", "batch": batch, "seqlen_q": 1, "context": context, "nheads": 32, "nheads_k": 8,
-            "head_dim": 128, "layout": "contiguous", "page_size": None, "causal": False}
+    batch, context, seqlen_q = SHAPES[shape]
+    return {"dtype": "bf16", "batch": batch, "seqlen_q": seqlen_q, "context": context, "nheads": 32, "nheads_k": 8,
+            "head_dim": 128, "layout": "contiguous", "page_size": None, "causal": seqlen_q > 1}
 
 
 def line(label: str, shape: str, entry: dict) -> str:
@@ -38,8 +41,17 @@ def line(label: str, shape: str, entry: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
-                        default=["b1-s8k", "b1-s128k", "b32-s4k", "b128-s2k"])
+                        default=list(SHAPES))
+    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/STAGES",
+                        help="candidates to try instead of the built-in list, e.g. 16x64/4/4/3")
     args = parser.parse_args()
+    candidates = CANDIDATES
+    if args.tiles:
+        candidates = []
+        for text in args.tiles:
+            mn, warps, warps_n, stages = text.split("/")
+            block_m, block_n = mn.split("x")
+            candidates.append((int(block_m), int(block_n), int(warps), int(stages), int(warps_n)))
     kernel_ms, _ = timing.make_timer()
     ceilings = timing.measure_ceilings(kernel_ms, [])
     env = timing.environment()
@@ -50,16 +62,17 @@ def main() -> None:
         row = suites.decode_row(config(shape), [cudnn], timers, ceilings, "cuda", float("inf"))
         print(line("cuDNN", shape, row["impls"]["sdpa-cudnn"]), flush=True)
     original = tiles.FWD_DECODE_TILE
-    for block_m, block_n, warps in CANDIDATES:
-        tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps)
-        launch._loaded.clear()  # both memos are keyed by spec, which the tile is not part of
+    for block_m, block_n, warps, stages, warps_n in candidates:
+        tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps, stages, warps_n)
+        launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
         cache._cubins.clear()
+        dispatch.plan_fwd.cache_clear()
         for shape in args.shapes:
             row = suites.decode_row(config(shape), [flashgen], timers, ceilings, "cuda", float("inf"))
             entry = row["impls"]["flashgen"]
-            if not row["check"]["ok"]:
+            if row["check"] is not None and not row["check"]["ok"]:
                 entry = {"skipped": f"output check failed: {row['check']}"}
-            print(line(f"tile {block_m}x{block_n} w{warps}", shape, entry), flush=True)
+            print(line(f"{block_m}x{block_n} w{warps}/{warps_n} s{stages}", shape, entry), flush=True)
     tiles.FWD_DECODE_TILE = original
 
 

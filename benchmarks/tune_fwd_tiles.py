@@ -15,7 +15,7 @@ import triton.testing
 import flashgen
 from flashgen.generator import tiles
 from flashgen.generator import cache
-from flashgen.runtime import launch
+from flashgen.runtime import dispatch, launch
 
 CANDIDATES = {
     64: [(128, 64, 4), (128, 128, 4), (64, 64, 4), (128, 128, 8)],
@@ -46,8 +46,9 @@ def main() -> None:
             table = tiles._FWD_SM80_LARGE_MASKED if causal else tiles._FWD_SM80_LARGE
             original = table[head_dim]
             table[head_dim] = tiles.FwdTile(block_m, block_n, warps)
-            launch._loaded.clear()  # both memos are keyed by spec, which the tile is not part of
+            launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
+            dispatch.plan_fwd.cache_clear()
             try:
                 tflops = measure(head_dim, causal, args.seqlen, dtype)
                 print(f"d{head_dim} causal={int(causal)} tile {block_m}x{block_n} w{warps}: {tflops:6.1f} TFLOP/s", flush=True)

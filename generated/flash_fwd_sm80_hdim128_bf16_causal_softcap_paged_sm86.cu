@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim128_bf16_causal_softcap_paged_sm86(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Causal,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

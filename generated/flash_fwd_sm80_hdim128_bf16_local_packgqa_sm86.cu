@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim128_bf16_local_packgqa_sm86(const __grid_constant__ flashgen:
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Local,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

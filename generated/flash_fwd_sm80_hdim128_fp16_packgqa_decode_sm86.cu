@@ -3,12 +3,13 @@
 #include "flash_params.cuh"
 #include "fwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(64, 1)
+extern "C" __global__ void __launch_bounds__(128, 1)
 flash_fwd_sm80_hdim128_fp16_packgqa_decode_sm86(const __grid_constant__ flashgen::FwdParams params) {
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
-        /*kHeadDim=*/128, /*kBlockM=*/32, /*kBlockN=*/64,
-        /*kNWarps=*/2, flashgen::Mask::None,
+        /*kHeadDim=*/128, /*kBlockM=*/16, /*kBlockN=*/64,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

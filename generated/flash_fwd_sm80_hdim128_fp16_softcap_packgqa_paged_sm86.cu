@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim128_fp16_softcap_packgqa_paged_sm86(const __grid_constant__ f
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/128, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::None,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

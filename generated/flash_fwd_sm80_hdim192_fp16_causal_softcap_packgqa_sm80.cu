@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim192_fp16_causal_softcap_packgqa_sm80(const __grid_constant__ 
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Causal,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim192_fp16_local_softcap_packgqa_paged_sm86(const __grid_consta
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Local,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

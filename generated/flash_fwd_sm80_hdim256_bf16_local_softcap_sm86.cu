@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim256_bf16_local_softcap_sm86(const __grid_constant__ flashgen:
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/32,
-        /*kNWarps=*/4, flashgen::Mask::Local,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

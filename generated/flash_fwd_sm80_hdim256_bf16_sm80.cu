@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim256_bf16_sm80(const __grid_constant__ flashgen::FwdParams par
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::None,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

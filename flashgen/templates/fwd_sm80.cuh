@@ -18,8 +18,8 @@ namespace flashgen {
 
 enum class Mask { None, Causal, Local };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, Mask kMask_,
-          bool kSoftcap_, bool kPackGQA_, bool kPaged_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsN_,
+          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_>
 struct FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -27,20 +27,31 @@ struct FwdTraits {
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
+    // K/V shared-memory stages. 1: K and V alternate through one buffer each (the copy of one
+    // overlaps the math of the other; enough when the math is long). > 1: a ring of kStages K+V
+    // blocks kept in flight, for decode, where the math is short and the copies are the work.
+    static constexpr int kStages = kStages_;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kPackGQA = kPackGQA_;
     static constexpr bool kPaged = kPaged_;  // K/V rows through a page table
 
+    // Warps split the query rows kWarpsM ways and each key block kWarpsN ways. kWarpsN > 1 is for
+    // decode, where a 16-row tile is already mostly padding: more warps then share the key blocks
+    // (each keeps its own softmax state) instead of computing padding rows, and merge at the end.
+    static constexpr int kWarpsN = kWarpsN_;
+    static constexpr int kWarpsM = kNWarps / kWarpsN;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kWarpM = kBlockM / kNWarps;  // query rows per warp
+    static constexpr int kWarpM = kBlockM / kWarpsM;  // query rows per warp
+    static constexpr int kWarpN = kBlockN / kWarpsN;  // keys per warp per block
     static constexpr int kMI = kWarpM / 16;           // m16 tiles per warp
-    static constexpr int kNI = kBlockN / 8;           // n8 tiles of S
+    static constexpr int kNI = kWarpN / 8;            // n8 tiles of a warp's S
     static constexpr int kDI = kHeadDim / 8;          // n8 tiles of O
     static constexpr int kSmemStride = kHeadDim + 8;  // elements; see the padding note above
 
     static_assert(kWarpM == 16 || kWarpM == 32, "a warp owns 16 or 32 query rows");
-    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tiles are multiples of 16");
+    static_assert(kWarpsM * kWarpsN == kNWarps, "warps tile the block");
+    static_assert(kWarpN % 16 == 0 && kHeadDim % 16 == 0, "tiles are multiples of 16");
 };
 
 // How a tile of rows x kHeadDim elements is split over the CTA's threads for 16-byte copies:
@@ -192,10 +203,10 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMI][Tr::kNI][4], uint32_
 // pipelined like gemm_qk.
 template <typename Tr>
 __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
-                                        const uint32_t (&p)[Tr::kMI][Tr::kBlockN / 16][4],
+                                        const uint32_t (&p)[Tr::kMI][Tr::kWarpN / 16][4],
                                         uint32_t sV_addr, int lane) {
     constexpr int kStrideBytes = Tr::kSmemStride * 2;
-    constexpr int kKSteps = Tr::kBlockN / 16;
+    constexpr int kKSteps = Tr::kWarpN / 16;
     constexpr int kDPairs = Tr::kDI / 2;
     // Transposed B tiles: [keys 0-7 | 8-15] x [d 0-7 | 8-15], one 8x8 matrix per lane octet.
     uint32_t const b_base =
@@ -229,19 +240,22 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     using T = typename Tr::T;
     using Element = typename Tr::Element;
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMI = Tr::kMI, kNI = Tr::kNI,
-                  kDI = Tr::kDI, kStride = Tr::kSmemStride;
+                  kDI = Tr::kDI, kStride = Tr::kSmemStride, kWarpN = Tr::kWarpN;
     constexpr bool kMasked = Tr::kMask != Mask::None;
     using QCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
     using KVCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    // [Q | K0 V0 | K1 V1 | ...]: one K and one V buffer per stage.
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sK = sQ + kBlockM * kStride;
-    T* sV = sK + kBlockN * kStride;
+    auto sK = [&](int stage) { return sQ + (kBlockM + 2 * stage * kBlockN) * kStride; };
+    auto sV = [&](int stage) { return sK(stage) + kBlockN * kStride; };
 
     int const tid = threadIdx.x;
     int const warp = tid / 32;
     int const lane = tid % 32;
+    int const warp_m = warp % Tr::kWarpsM;  // which rows of the block this warp owns
+    int const warp_n = warp / Tr::kWarpsM;  // which keys of each key block
     // Under a causal/local mask the last query blocks see the most keys: start them first.
     int const m_block = kMasked ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
     int const bidh = blockIdx.y;  // query head, or KV head under PackGQA
@@ -349,22 +363,35 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             v_ptrs = kv_row_ptrs(v_base, params.v_batch_stride, params.v_row_stride);
         }
     };
-    auto load_k = [&]() {
-        copy_rows_async<KVCopy>(sK, kStride, head_dim, tid,
+    auto load_k = [&](int stage) {
+        copy_rows_async<KVCopy>(sK(stage), kStride, head_dim, tid,
                                 Tr::kPaged ? k_ptrs : kv_row_ptrs(k_base, 0, params.k_row_stride));
     };
-    auto load_v = [&]() {
-        copy_rows_async<KVCopy>(sV, kStride, head_dim, tid,
+    auto load_v = [&](int stage) {
+        copy_rows_async<KVCopy>(sV(stage), kStride, head_dim, tid,
                                 Tr::kPaged ? v_ptrs : kv_row_ptrs(v_base, 0, params.v_row_stride));
     };
-    if (n_block_max > n_block_min) {
-        prepare_kv(n_block_max - 1);
-        load_k();
+    if constexpr (Tr::kStages == 1) {
+        if (n_block_max > n_block_min) {
+            prepare_kv(n_block_max - 1);
+            load_k(0);
+        }
+        cp_async_commit();
+    } else {  // fill the ring: stage s holds block n_block_max - 1 - s; one commit group per stage
+#pragma unroll
+        for (int stage = 0; stage < Tr::kStages; ++stage) {
+            int const n_block = n_block_max - 1 - stage;
+            if (n_block >= n_block_min) {
+                prepare_kv(n_block);
+                load_k(stage);
+                load_v(stage);
+            }
+            cp_async_commit();
+        }
     }
-    cp_async_commit();
 
     // ---- Per-row state. Thread owns rows (warp, mi, half): lane / 4 + 8 * half of each m16 tile.
-    int const warp_row0 = warp * Tr::kWarpM;
+    int const warp_row0 = warp_m * Tr::kWarpM;
     int row_pos[kMI][2];      // query position of the row (for masks and ALiBi)
     float row_slope[kMI][2];  // ALiBi slope in score units, 0 when off
     float acc_o[kMI][kDI][4];
@@ -398,28 +425,12 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     }
 
     uint32_t const sQ_warp = smem_u32(sQ + warp_row0 * kStride);
-    uint32_t const sK_addr = smem_u32(sK);
-    uint32_t const sV_addr = smem_u32(sV);
+    uint32_t const kv_warp_offset = warp_n * kWarpN * kStride * 2;  // bytes
     float const scale_log2 = params.scale_log2;
 
-    // ---- Main loop over key blocks, last to first (the masked blocks come first).
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-        cp_async_wait<0>();
-        __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
-        load_v();
-        cp_async_commit();
-        if (n_block > n_block_min) prepare_kv(n_block - 1);
-
-        float s[kMI][kNI][4];
-#pragma unroll
-        for (int mi = 0; mi < kMI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
-        gemm_qk<Tr>(s, sQ_warp, sK_addr, lane);
-
-        int const col_block = n_block * kBlockN + 2 * (lane % 4);
+    // Scores of key block n_block (in s) -> softcap, ALiBi, masks, online softmax -> P (in p).
+    auto softmax_block = [&](int n_block, float (&s)[kMI][kNI][4], uint32_t (&p)[kMI][kWarpN / 16][4]) {
+        int const col_block = n_block * kBlockN + warp_n * kWarpN + 2 * (lane % 4);
         if constexpr (Tr::kSoftcap) {
 #pragma unroll
             for (int mi = 0; mi < kMI; ++mi)
@@ -463,7 +474,6 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         }
 
         // Online softmax: rescale what was accumulated when a row's running max grows.
-        uint32_t p[kMI][kBlockN / 16][4];
 #pragma unroll
         for (int mi = 0; mi < kMI; ++mi) {
 #pragma unroll
@@ -495,19 +505,65 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             }
             // The m16n8 accumulator layout of two adjacent n8 tiles is the m16k16 A layout.
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            for (int kk = 0; kk < kWarpN / 16; ++kk) {
                 p[mi][kk][0] = Element::pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
                 p[mi][kk][1] = Element::pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
                 p[mi][kk][2] = Element::pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
                 p[mi][kk][3] = Element::pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
             }
         }
+    };
+    auto zero_scores = [&](float (&s)[kMI][kNI][4]) {
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+    };
 
-        cp_async_wait<0>();
-        __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
-        if (n_block > n_block_min) load_k();
-        cp_async_commit();
-        gemm_pv<Tr>(acc_o, p, sV_addr, lane);
+    // ---- Main loop over key blocks, last to first (the masked blocks come first).
+    if constexpr (Tr::kStages == 1) {
+        uint32_t const sK_addr = smem_u32(sK(0)) + kv_warp_offset;
+        uint32_t const sV_addr = smem_u32(sV(0)) + kv_warp_offset;
+        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+            cp_async_wait<0>();
+            __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
+            load_v(0);
+            cp_async_commit();
+            if (n_block > n_block_min) prepare_kv(n_block - 1);
+            float s[kMI][kNI][4];
+            uint32_t p[kMI][kWarpN / 16][4];
+            zero_scores(s);
+            gemm_qk<Tr>(s, sQ_warp, sK_addr, lane);
+            softmax_block(n_block, s, p);
+            cp_async_wait<0>();
+            __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
+            if (n_block > n_block_min) load_k(0);
+            cp_async_commit();
+            gemm_pv<Tr>(acc_o, p, sV_addr, lane);
+        }
+    } else {
+        int stage = 0;
+        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+            cp_async_wait<Tr::kStages - 1>();
+            __syncthreads();  // this stage's K and V landed
+            float s[kMI][kNI][4];
+            uint32_t p[kMI][kWarpN / 16][4];
+            zero_scores(s);
+            gemm_qk<Tr>(s, sQ_warp, smem_u32(sK(stage)) + kv_warp_offset, lane);
+            softmax_block(n_block, s, p);
+            gemm_pv<Tr>(acc_o, p, smem_u32(sV(stage)) + kv_warp_offset, lane);
+            __syncthreads();  // every warp is done with this stage: refill it kStages blocks ahead
+            int const refill = n_block - Tr::kStages;
+            if (refill >= n_block_min) {
+                prepare_kv(refill);
+                load_k(stage);
+                load_v(stage);
+            }
+            cp_async_commit();
+            stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
+        }
     }
 
     // ---- Epilogue. Rows are normalized; a row that saw no key gets 0 and lse -inf, never NaN.
@@ -515,13 +571,69 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     // writes fp32 partials and its lse straight from registers, for the combine kernel.
     cp_async_wait<0>();
     __syncthreads();  // no copy in flight, no warp still reading sQ/sV
+    if constexpr (Tr::kWarpsN > 1) {
+        // Warps that shared the key blocks merge into warp_n 0, through the K/V buffers: each
+        // thread's row max, partial row sum and O fragment, stored lane-minor (conflict-free).
+        // Thread (warp_n, lane) holds the same rows and columns for every warp_n.
+        constexpr int kFrag = kMI * 4 + kMI * kDI * 4;  // floats per thread
+        static_assert((Tr::kNWarps - Tr::kWarpsM) * kFrag * 32 * 4 <=
+                          Tr::kStages * 2 * kBlockN * kStride * int(sizeof(T)),
+                      "the merge fits in the K/V buffers");
+        float* exchange = reinterpret_cast<float*>(sK(0));
+        auto slot = [&](int from_warp_n) {
+            return exchange + ((from_warp_n - 1) * Tr::kWarpsM + warp_m) * kFrag * 32 + lane;
+        };
+        if (warp_n > 0) {
+            float* mine = slot(warp_n);
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    mine[((mi * 2 + half) * 2) * 32] = row_max[mi][half];
+                    mine[((mi * 2 + half) * 2 + 1) * 32] = row_sum[mi][half];
+                }
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int di = 0; di < kDI; ++di)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mine[(kMI * 4 + (mi * kDI + di) * 4 + e) * 32] = acc_o[mi][di][e];
+        }
+        __syncthreads();
+        if (warp_n == 0) {
+#pragma unroll 1
+            for (int w = 1; w < Tr::kWarpsN; ++w) {
+                const float* theirs = slot(w);
+#pragma unroll
+                for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        float const max_other = theirs[((mi * 2 + half) * 2) * 32];
+                        float const sum_other = theirs[((mi * 2 + half) * 2 + 1) * 32];
+                        float const max_new = fmaxf(row_max[mi][half], max_other);
+                        float const ref = max_new == -kInfinity ? 0.f : max_new * scale_log2;
+                        float const c_mine = exp2_approx(row_max[mi][half] * scale_log2 - ref);
+                        float const c_other = exp2_approx(max_other * scale_log2 - ref);
+                        row_max[mi][half] = max_new;
+                        row_sum[mi][half] = row_sum[mi][half] * c_mine + sum_other * c_other;
+#pragma unroll
+                        for (int di = 0; di < kDI; ++di)
+#pragma unroll
+                            for (int e = 2 * half; e < 2 * half + 2; ++e)
+                                acc_o[mi][di][e] = acc_o[mi][di][e] * c_mine +
+                                                   theirs[(kMI * 4 + (mi * kDI + di) * 4 + e) * 32] * c_other;
+                    }
+            }
+        }
+    }
     bool const write_partial = num_splits > 1;
     float* lse_out = reinterpret_cast<float*>(params.lse_ptr);
     float* oaccum = reinterpret_cast<float*>(params.oaccum_ptr);
     float* lseaccum = reinterpret_cast<float*>(params.lseaccum_ptr);
     int64_t const split_batch = int64_t(split) * params.batch + bidb;
+    bool const owns_rows = Tr::kWarpsN == 1 || warp_n == 0;  // holds the merged rows
 #pragma unroll
-    for (int mi = 0; mi < kMI; ++mi) {
+    for (int mi = 0; mi < kMI && owns_rows; ++mi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[mi][half]);
