@@ -9,6 +9,9 @@ _API = {
     "flash_attn_func": "flashgen.runtime.interface",
     "flash_attn_kvpacked_func": "flashgen.runtime.interface",
     "flash_attn_qkvpacked_func": "flashgen.runtime.interface",
+    "flash_attn_varlen_func": "flashgen.runtime.interface",
+    "flash_attn_varlen_kvpacked_func": "flashgen.runtime.interface",
+    "flash_attn_varlen_qkvpacked_func": "flashgen.runtime.interface",
     "flash_attn_with_kvcache": "flashgen.runtime.kvcache",
     "flash_attn_combine": "flashgen.runtime.kvcache",
 }

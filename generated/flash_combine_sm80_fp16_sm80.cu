@@ -3,7 +3,9 @@
 #include "flash_params.cuh"
 #include "combine.cuh"
 
-extern "C" __global__ void __launch_bounds__(128)
+// The combine picks its own CTA size (kCombineThreads, which launch_combine launches), not the
+// row kernels' ROW_KERNEL_WARPS.
+extern "C" __global__ void __launch_bounds__(flashgen::kCombineThreads, flashgen::kCombineMinBlocks)
 flash_combine_sm80_fp16_sm80(const __grid_constant__ flashgen::CombineParams params) {
-    flashgen::combine_splits<__half, /*kWarps=*/4>(params);
+    flashgen::combine_splits<__half>(params);
 }

@@ -16,8 +16,11 @@ struct FwdParams {
     void* leftpad_k_ptr;  // int32 (batch,): first valid key per batch element, or null
     void* kv_batch_idx_ptr;  // int32 (batch,): K/V batch row of each batch element, or null
     void* block_table_ptr;  // int32 (batch, max_pages): paged K/V (k/v are (pages, page_size, hk, d)), or null
-    void* oaccum_ptr;  // float partial O, contiguous (num_splits, batch, seqlen_q, nheads, head_dim)
-    void* lseaccum_ptr;  // float partial lse, contiguous (num_splits, batch, nheads, seqlen_q)
+    void* oaccum_ptr;  // float partial O, contiguous (num_splits, partial_rows, nheads, head_dim)
+    void* lseaccum_ptr;  // float partial lse, contiguous (num_splits, partial_rows, nheads)
+    void* cu_seqlens_q_ptr;  // int32 (batch + 1,): varlen q, sequence b is rows [cu[b], cu[b+1]) of q; or null
+    void* cu_seqlens_k_ptr;  // int32 (batch + 1,): varlen k/v (rows of k/v, or lengths when paged); or null
+    void* seqused_q_ptr;  // int32 (batch,): query rows in use per sequence, or null
     long long q_batch_stride;  // elements
     long long q_row_stride;  // elements
     long long q_head_stride;  // elements
@@ -32,9 +35,12 @@ struct FwdParams {
     long long o_head_stride;  // elements
     long long alibi_batch_stride;  // elements; 0 when slopes are (nheads,)
     long long block_table_batch_stride;  // elements
+    long long lse_batch_stride;  // elements; 0 for varlen
+    long long lse_head_stride;  // elements (lse rows are contiguous)
+    long long partial_rows;  // rows of one split's partials: batch * seqlen_q, or total_q for varlen
     int batch;
-    int seqlen_q;
-    int seqlen_k;  // keys, or with seqused_k the capacity of a K/V row (reads never pass it)
+    int seqlen_q;  // query rows per sequence, or for varlen the rows of q (total_q)
+    int seqlen_k;  // keys, or with seqused_k / varlen the capacity of a K/V row (reads never pass it)
     int seqlen_k_new;  // keys appended by this call: a batch element uses seqused_k[b] + this
     int kv_batch;  // K/V batch rows (or pages when paged): indices outside are treated as empty
     int num_splits;  // split-KV: > 1 writes partials to oaccum/lseaccum
@@ -51,7 +57,7 @@ struct FwdParams {
     float softcap;  // 0 when off
     float alibi_scale;  // ALiBi slope multiplier into score units
 };
-static_assert(sizeof(FwdParams) == 296, "Params size drift");
+static_assert(sizeof(FwdParams) == 344, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(FwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(FwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -65,38 +71,44 @@ static_assert(__builtin_offsetof(FwdParams, kv_batch_idx_ptr) == 64, "Params lay
 static_assert(__builtin_offsetof(FwdParams, block_table_ptr) == 72, "Params layout drift: block_table_ptr");
 static_assert(__builtin_offsetof(FwdParams, oaccum_ptr) == 80, "Params layout drift: oaccum_ptr");
 static_assert(__builtin_offsetof(FwdParams, lseaccum_ptr) == 88, "Params layout drift: lseaccum_ptr");
-static_assert(__builtin_offsetof(FwdParams, q_batch_stride) == 96, "Params layout drift: q_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, q_row_stride) == 104, "Params layout drift: q_row_stride");
-static_assert(__builtin_offsetof(FwdParams, q_head_stride) == 112, "Params layout drift: q_head_stride");
-static_assert(__builtin_offsetof(FwdParams, k_batch_stride) == 120, "Params layout drift: k_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, k_row_stride) == 128, "Params layout drift: k_row_stride");
-static_assert(__builtin_offsetof(FwdParams, k_head_stride) == 136, "Params layout drift: k_head_stride");
-static_assert(__builtin_offsetof(FwdParams, v_batch_stride) == 144, "Params layout drift: v_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, v_row_stride) == 152, "Params layout drift: v_row_stride");
-static_assert(__builtin_offsetof(FwdParams, v_head_stride) == 160, "Params layout drift: v_head_stride");
-static_assert(__builtin_offsetof(FwdParams, o_batch_stride) == 168, "Params layout drift: o_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, o_row_stride) == 176, "Params layout drift: o_row_stride");
-static_assert(__builtin_offsetof(FwdParams, o_head_stride) == 184, "Params layout drift: o_head_stride");
-static_assert(__builtin_offsetof(FwdParams, alibi_batch_stride) == 192, "Params layout drift: alibi_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, block_table_batch_stride) == 200, "Params layout drift: block_table_batch_stride");
-static_assert(__builtin_offsetof(FwdParams, batch) == 208, "Params layout drift: batch");
-static_assert(__builtin_offsetof(FwdParams, seqlen_q) == 212, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 216, "Params layout drift: seqlen_k");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 220, "Params layout drift: seqlen_k_new");
-static_assert(__builtin_offsetof(FwdParams, kv_batch) == 224, "Params layout drift: kv_batch");
-static_assert(__builtin_offsetof(FwdParams, num_splits) == 228, "Params layout drift: num_splits");
-static_assert(__builtin_offsetof(FwdParams, nheads) == 232, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(FwdParams, nheads_k) == 236, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(FwdParams, head_dim) == 240, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(FwdParams, window_left) == 244, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(FwdParams, window_right) == 248, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 252, "Params layout drift: qhead_per_khead");
-static_assert(__builtin_offsetof(FwdParams, page_size) == 264, "Params layout drift: page_size");
-static_assert(__builtin_offsetof(FwdParams, scale_log2) == 276, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 280, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 284, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap) == 288, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 292, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, cu_seqlens_q_ptr) == 96, "Params layout drift: cu_seqlens_q_ptr");
+static_assert(__builtin_offsetof(FwdParams, cu_seqlens_k_ptr) == 104, "Params layout drift: cu_seqlens_k_ptr");
+static_assert(__builtin_offsetof(FwdParams, seqused_q_ptr) == 112, "Params layout drift: seqused_q_ptr");
+static_assert(__builtin_offsetof(FwdParams, q_batch_stride) == 120, "Params layout drift: q_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, q_row_stride) == 128, "Params layout drift: q_row_stride");
+static_assert(__builtin_offsetof(FwdParams, q_head_stride) == 136, "Params layout drift: q_head_stride");
+static_assert(__builtin_offsetof(FwdParams, k_batch_stride) == 144, "Params layout drift: k_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, k_row_stride) == 152, "Params layout drift: k_row_stride");
+static_assert(__builtin_offsetof(FwdParams, k_head_stride) == 160, "Params layout drift: k_head_stride");
+static_assert(__builtin_offsetof(FwdParams, v_batch_stride) == 168, "Params layout drift: v_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, v_row_stride) == 176, "Params layout drift: v_row_stride");
+static_assert(__builtin_offsetof(FwdParams, v_head_stride) == 184, "Params layout drift: v_head_stride");
+static_assert(__builtin_offsetof(FwdParams, o_batch_stride) == 192, "Params layout drift: o_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, o_row_stride) == 200, "Params layout drift: o_row_stride");
+static_assert(__builtin_offsetof(FwdParams, o_head_stride) == 208, "Params layout drift: o_head_stride");
+static_assert(__builtin_offsetof(FwdParams, alibi_batch_stride) == 216, "Params layout drift: alibi_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, block_table_batch_stride) == 224, "Params layout drift: block_table_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, lse_batch_stride) == 232, "Params layout drift: lse_batch_stride");
+static_assert(__builtin_offsetof(FwdParams, lse_head_stride) == 240, "Params layout drift: lse_head_stride");
+static_assert(__builtin_offsetof(FwdParams, partial_rows) == 248, "Params layout drift: partial_rows");
+static_assert(__builtin_offsetof(FwdParams, batch) == 256, "Params layout drift: batch");
+static_assert(__builtin_offsetof(FwdParams, seqlen_q) == 260, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 264, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 268, "Params layout drift: seqlen_k_new");
+static_assert(__builtin_offsetof(FwdParams, kv_batch) == 272, "Params layout drift: kv_batch");
+static_assert(__builtin_offsetof(FwdParams, num_splits) == 276, "Params layout drift: num_splits");
+static_assert(__builtin_offsetof(FwdParams, nheads) == 280, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(FwdParams, nheads_k) == 284, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(FwdParams, head_dim) == 288, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(FwdParams, window_left) == 292, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(FwdParams, window_right) == 296, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 300, "Params layout drift: qhead_per_khead");
+static_assert(__builtin_offsetof(FwdParams, page_size) == 312, "Params layout drift: page_size");
+static_assert(__builtin_offsetof(FwdParams, scale_log2) == 324, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 328, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 332, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 336, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 340, "Params layout drift: alibi_scale");
 #endif
 
 struct CombineParams {
@@ -254,7 +266,11 @@ struct BwdParams {
     void* dk_ptr;  // like k
     void* dv_ptr;  // like v
     void* alibi_slopes_ptr;  // float ALiBi slopes (batch?, nheads), or null
-    void* semaphore_ptr;  // int (batch, nheads, d slices, query blocks), zeroed: deterministic dQ; or null
+    void* semaphore_ptr;  // int (batch, nheads, d slices, query blocks of max_seqlen_q), zeroed: deterministic dQ; or null
+    void* cu_seqlens_q_ptr;  // int32 (batch + 1,): varlen q/dO rows per sequence, or null
+    void* cu_seqlens_k_ptr;  // int32 (batch + 1,): varlen k/v rows per sequence, or null
+    void* seqused_q_ptr;  // int32 (batch,): query rows in use per sequence, or null
+    void* seqused_k_ptr;  // int32 (batch,): keys in use per sequence, or null
     long long q_batch_stride;  // elements
     long long q_row_stride;  // elements
     long long q_head_stride;  // elements
@@ -274,9 +290,12 @@ struct BwdParams {
     long long dv_row_stride;  // elements
     long long dv_head_stride;  // elements
     long long alibi_batch_stride;  // elements; 0 when slopes are (nheads,)
+    long long stats_batch_stride;  // rows of lse / dsum / dq_accum per batch element (0 for varlen)
+    long long stats_head_stride;  // rows of lse / dsum / dq_accum per head
     int batch;
-    int seqlen_q;
-    int seqlen_k;
+    int seqlen_q;  // query rows per sequence, or for varlen the rows of q (total_q)
+    int seqlen_k;  // keys per sequence, or for varlen the rows of k (total_k)
+    int max_seqlen_q;  // longest query sequence (the semaphores' query-block stride)
     int nheads;
     int nheads_k;
     int head_dim;
@@ -288,7 +307,7 @@ struct BwdParams {
     float softcap;  // 0 when off
     float alibi_scale;  // as in FwdParams
 };
-static_assert(sizeof(BwdParams) == 296, "Params size drift");
+static_assert(sizeof(BwdParams) == 344, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(BwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(BwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -301,38 +320,45 @@ static_assert(__builtin_offsetof(BwdParams, dk_ptr) == 56, "Params layout drift:
 static_assert(__builtin_offsetof(BwdParams, dv_ptr) == 64, "Params layout drift: dv_ptr");
 static_assert(__builtin_offsetof(BwdParams, alibi_slopes_ptr) == 72, "Params layout drift: alibi_slopes_ptr");
 static_assert(__builtin_offsetof(BwdParams, semaphore_ptr) == 80, "Params layout drift: semaphore_ptr");
-static_assert(__builtin_offsetof(BwdParams, q_batch_stride) == 88, "Params layout drift: q_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, q_row_stride) == 96, "Params layout drift: q_row_stride");
-static_assert(__builtin_offsetof(BwdParams, q_head_stride) == 104, "Params layout drift: q_head_stride");
-static_assert(__builtin_offsetof(BwdParams, k_batch_stride) == 112, "Params layout drift: k_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, k_row_stride) == 120, "Params layout drift: k_row_stride");
-static_assert(__builtin_offsetof(BwdParams, k_head_stride) == 128, "Params layout drift: k_head_stride");
-static_assert(__builtin_offsetof(BwdParams, v_batch_stride) == 136, "Params layout drift: v_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, v_row_stride) == 144, "Params layout drift: v_row_stride");
-static_assert(__builtin_offsetof(BwdParams, v_head_stride) == 152, "Params layout drift: v_head_stride");
-static_assert(__builtin_offsetof(BwdParams, do_batch_stride) == 160, "Params layout drift: do_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, do_row_stride) == 168, "Params layout drift: do_row_stride");
-static_assert(__builtin_offsetof(BwdParams, do_head_stride) == 176, "Params layout drift: do_head_stride");
-static_assert(__builtin_offsetof(BwdParams, dk_batch_stride) == 184, "Params layout drift: dk_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, dk_row_stride) == 192, "Params layout drift: dk_row_stride");
-static_assert(__builtin_offsetof(BwdParams, dk_head_stride) == 200, "Params layout drift: dk_head_stride");
-static_assert(__builtin_offsetof(BwdParams, dv_batch_stride) == 208, "Params layout drift: dv_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, dv_row_stride) == 216, "Params layout drift: dv_row_stride");
-static_assert(__builtin_offsetof(BwdParams, dv_head_stride) == 224, "Params layout drift: dv_head_stride");
-static_assert(__builtin_offsetof(BwdParams, alibi_batch_stride) == 232, "Params layout drift: alibi_batch_stride");
-static_assert(__builtin_offsetof(BwdParams, batch) == 240, "Params layout drift: batch");
-static_assert(__builtin_offsetof(BwdParams, seqlen_q) == 244, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(BwdParams, seqlen_k) == 248, "Params layout drift: seqlen_k");
-static_assert(__builtin_offsetof(BwdParams, nheads) == 252, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(BwdParams, nheads_k) == 256, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(BwdParams, head_dim) == 260, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(BwdParams, window_left) == 264, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(BwdParams, window_right) == 268, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(BwdParams, scale_log2) == 272, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(BwdParams, softmax_scale) == 276, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(BwdParams, softcap_scale) == 280, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(BwdParams, softcap) == 284, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 288, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(BwdParams, cu_seqlens_q_ptr) == 88, "Params layout drift: cu_seqlens_q_ptr");
+static_assert(__builtin_offsetof(BwdParams, cu_seqlens_k_ptr) == 96, "Params layout drift: cu_seqlens_k_ptr");
+static_assert(__builtin_offsetof(BwdParams, seqused_q_ptr) == 104, "Params layout drift: seqused_q_ptr");
+static_assert(__builtin_offsetof(BwdParams, seqused_k_ptr) == 112, "Params layout drift: seqused_k_ptr");
+static_assert(__builtin_offsetof(BwdParams, q_batch_stride) == 120, "Params layout drift: q_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, q_row_stride) == 128, "Params layout drift: q_row_stride");
+static_assert(__builtin_offsetof(BwdParams, q_head_stride) == 136, "Params layout drift: q_head_stride");
+static_assert(__builtin_offsetof(BwdParams, k_batch_stride) == 144, "Params layout drift: k_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, k_row_stride) == 152, "Params layout drift: k_row_stride");
+static_assert(__builtin_offsetof(BwdParams, k_head_stride) == 160, "Params layout drift: k_head_stride");
+static_assert(__builtin_offsetof(BwdParams, v_batch_stride) == 168, "Params layout drift: v_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, v_row_stride) == 176, "Params layout drift: v_row_stride");
+static_assert(__builtin_offsetof(BwdParams, v_head_stride) == 184, "Params layout drift: v_head_stride");
+static_assert(__builtin_offsetof(BwdParams, do_batch_stride) == 192, "Params layout drift: do_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, do_row_stride) == 200, "Params layout drift: do_row_stride");
+static_assert(__builtin_offsetof(BwdParams, do_head_stride) == 208, "Params layout drift: do_head_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_batch_stride) == 216, "Params layout drift: dk_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_row_stride) == 224, "Params layout drift: dk_row_stride");
+static_assert(__builtin_offsetof(BwdParams, dk_head_stride) == 232, "Params layout drift: dk_head_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_batch_stride) == 240, "Params layout drift: dv_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_row_stride) == 248, "Params layout drift: dv_row_stride");
+static_assert(__builtin_offsetof(BwdParams, dv_head_stride) == 256, "Params layout drift: dv_head_stride");
+static_assert(__builtin_offsetof(BwdParams, alibi_batch_stride) == 264, "Params layout drift: alibi_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, stats_batch_stride) == 272, "Params layout drift: stats_batch_stride");
+static_assert(__builtin_offsetof(BwdParams, stats_head_stride) == 280, "Params layout drift: stats_head_stride");
+static_assert(__builtin_offsetof(BwdParams, batch) == 288, "Params layout drift: batch");
+static_assert(__builtin_offsetof(BwdParams, seqlen_q) == 292, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(BwdParams, seqlen_k) == 296, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(BwdParams, max_seqlen_q) == 300, "Params layout drift: max_seqlen_q");
+static_assert(__builtin_offsetof(BwdParams, nheads) == 304, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(BwdParams, nheads_k) == 308, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(BwdParams, head_dim) == 312, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(BwdParams, window_left) == 316, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(BwdParams, window_right) == 320, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 324, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(BwdParams, softmax_scale) == 328, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap_scale) == 332, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap) == 336, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 340, "Params layout drift: alibi_scale");
 #endif
 
 struct BwdRowParams {

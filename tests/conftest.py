@@ -16,6 +16,7 @@ from flashgen.generator import cache, nvrtc
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "matrix: compiles the whole kernel matrix with NVRTC (slow)")
+    config.addinivalue_line("markers", "large: 64-bit indexing tests with tensors past 2**31 elements (tens of GB)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -52,67 +52,91 @@ def plan_bwd(
 
 
 def _strides3(t: torch.Tensor) -> dict:
-    return dict(zip(("batch", "row", "head"), t.stride()[:3]))
+    """(batch, row, head) strides; a varlen (total, heads, d) tensor has batch stride 0."""
+    strides = t.stride()[:3] if t.dim() == 4 else (0, *t.stride()[:2])
+    return dict(zip(("batch", "row", "head"), strides))
 
 
 def flash_bwd(
     dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
     window_size: tuple[int, int], softcap: float, alibi_slopes, deterministic: bool,
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+    seqused_q=None, seqused_k=None,
 ) -> None:
     """Write dq, dk, dv (preallocated, shaped like q, k, v) for attention's output gradient dout.
 
     dk and dv come out already summed over the query heads of each KV head (GQA/MQA): one CTA
-    loops over the group, so no expanded buffer is needed.
+    loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
+    (total, heads, d), lse is (nheads, total_q).
     """
     from .interface import _aligned, _launch  # shared with the forward (same device handling)
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    if batch == 0 or seqlen_q == 0 or nheads == 0:
+    varlen = cu_seqlens_q is not None
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    if varlen:
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
+        stats_batch, stats_rows = 1, seqlen_q  # lse, dsum, dq_accum: (nheads, total_q)
+        # Rows outside every sequence (or past seqused_k) get no gradient from the kernel.
+        dk.zero_()
+        dv.zero_()
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+        stats_batch, stats_rows = batch, seqlen_q
+    if batch == 0 or seqlen_q == 0 or nheads == 0 or max_seqlen_q == 0:
+        dq.zero_()
         dk.zero_()
         dv.zero_()
         return
     index = device_index(q)
     info = device_info(index)
     plan = plan_bwd(
-        dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
         family=config.forced_family(),
     )
-    if seqlen_k == 0:
+    if seqlen_k == 0 or max_seqlen_k == 0:
         dq.zero_()
+        dk.zero_()
+        dv.zero_()
         return
     q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
-    dsum = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    dq_accum = torch.empty((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+    dsum = torch.empty((stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty((stats_batch, nheads, stats_rows, head_dim), dtype=torch.float32, device=q.device)
     semaphores = None
     if deterministic:
-        m_blocks = -(-seqlen_q // plan.tile.block_m)
+        m_blocks = -(-max_seqlen_q // plan.tile.block_m)
         # One counter per (query block, head-dim slice): each slice's CTAs add in key order.
         semaphores = torch.zeros((batch, nheads, plan.tile.d_slices, m_blocks), dtype=torch.int32, device=q.device)
 
     row_values = dict(
         o_ptr=out.data_ptr(), do_ptr=dout.data_ptr(), dsum_ptr=dsum.data_ptr(),
         dq_accum_ptr=dq_accum.data_ptr(), dq_ptr=dq.data_ptr(),
-        batch=batch, seqlen_q=seqlen_q, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
+        batch=stats_batch, seqlen_q=stats_rows, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
     )
     for prefix, t in (("o", out), ("do", dout), ("dq", dq)):
         row_values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})
     row_params = params_mod.pack(params_mod.BWD_ROW_LAYOUT, row_values)
-    row_grid = (-(-batch * seqlen_q * nheads // ROW_KERNEL_WARPS), 1, 1)
+    row_grid = (-(-stats_batch * stats_rows * nheads // ROW_KERNEL_WARPS), 1, 1)
     spec = plan.spec
     pre = KernelSpec("bwd_pre", spec.family, spec.arch, spec.dtype)
     post = KernelSpec("bwd_post", spec.family, spec.arch, spec.dtype)
+
+    def ptr(t):
+        return t.data_ptr() if t is not None else 0
 
     has_softcap = softcap > 0
     values = dict(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
         lse_ptr=lse.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
-        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(),
-        alibi_slopes_ptr=alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
-        semaphore_ptr=semaphores.data_ptr() if semaphores is not None else 0,
+        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(), alibi_slopes_ptr=ptr(alibi_slopes),
+        semaphore_ptr=ptr(semaphores), cu_seqlens_q_ptr=ptr(cu_seqlens_q), cu_seqlens_k_ptr=ptr(cu_seqlens_k),
+        seqused_q_ptr=ptr(seqused_q), seqused_k_ptr=ptr(seqused_k),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        stats_batch_stride=0 if varlen else nheads * seqlen_q, stats_head_stride=stats_rows,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q,
+        nheads=nheads, nheads_k=nheads_k,
         head_dim=head_dim, window_left=plan.window_left, window_right=plan.window_right,
         scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
         softmax_scale=softmax_scale,

@@ -90,13 +90,14 @@ def plan_fwd(
     paged: bool = False,
     num_splits: int = 1,
     family: str | None = None,
+    varlen: bool = False,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
 
     ``dtype`` is "fp16"/"bf16" or a torch dtype; ``seqlen_k`` is the key count, or for a KV cache
     its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and
-    MAX_SPLITS).
+    MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch.
     """
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
@@ -113,7 +114,7 @@ def plan_fwd(
         pack = False  # one head per group: the packed kernel computes the same thing
     elif pack_gqa is None:
         pack = heuristics.get_pack_gqa(
-            cc, nheads, nheads_k, seqlen_q, default_tile.block_m, paged_kv_without_tma=paged,
+            cc, nheads, nheads_k, seqlen_q, default_tile.block_m, varlen_q=varlen, paged_kv_without_tma=paged,
             num_splits=num_splits,
         )
     else:
@@ -138,7 +139,7 @@ def plan_fwd(
             dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
-            family=family,
+            family=family, varlen=varlen,
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode)
     grid = (m_blocks, heads, batch * num_splits)

@@ -9,7 +9,6 @@ import torch
 from .. import config
 from ..generator import matrix
 from ..generator.spec import KernelSpec
-from ..generator.tiles import ROW_KERNEL_WARPS
 from . import params as params_mod
 from . import validate
 from .device import device_index, device_info
@@ -52,7 +51,8 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
     """Merge split-KV partials. Strides are (split, batch, row, head) for partials and
     (batch, row, head) for outputs, in elements."""
     index = device_index(out)
-    spec = _combine_spec(device_info(index).capability, out.dtype)
+    info = device_info(index)
+    spec = _combine_spec(info.capability, out.dtype)
     values = dict(
         out_partial_ptr=out_partial.data_ptr(), lse_partial_ptr=lse_partial.data_ptr(),
         out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
@@ -65,45 +65,83 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
         ("lse", ("batch", "row", "head"), lse_strides),
     ):
         values.update({f"{prefix}_{n}_stride": st for n, st in zip(names, strides)})
+    # Launch geometry (templates/combine.cuh derives the rest from the grid; any grid is correct).
+    # A CTA of `threads` (kCombineThreads) is R rows x G split groups x C column threads; the grid
+    # sets R, and with it G = threads / (R * C). Each thread has 8 partial float4s in flight per
+    # batch (kCombineLoads): 8 splits of one chunk when num_splits > 4, else 8 / 2**ceil(log2(splits))
+    # chunks of every split. Pick R so that one batch covers the splits (G >= splits / 8), and, when
+    # rows are few, so that they spread over the SMs: at decode every row then gets a whole CTA and
+    # the combine costs about one global round trip.
+    threads = 256  # kCombineThreads
     rows = batch * seqlen * nheads
-    grid = (-(-rows // ROW_KERNEL_WARPS), 1, 1)
-    _launch(spec, 0, ROW_KERNEL_WARPS * 32, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index)
+    chunks_per_thread = 1 if num_splits > 4 else 8 >> (num_splits - 1).bit_length()  # kKc
+    col_threads = min(1 << max(-(-(head_dim // 4) // chunks_per_thread) - 1, 0).bit_length(), 64)  # C
+    rows_per_pass = threads // col_threads
+    if chunks_per_thread == 1:
+        rows_per_pass = max(1, rows_per_pass >> (-(-num_splits // 8) - 1).bit_length())
+    rows_per_pass = min(rows_per_pass, 1 << (max(1, rows // info.num_sms).bit_length() - 1))
+    grid = (max(1, min(-(-rows // rows_per_pass), 2**31 - 1)), 1, 1)
+    _launch(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index)
+
+
+def _ptr(t) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _rows3(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a dense (batch, seqlen, heads, d) tensor, or of a varlen
+    (total, heads, d) one, whose sequences are found through cu_seqlens (batch stride 0)."""
+    return t.stride()[:3] if t.dim() == 4 else (0, *t.stride()[:2])
 
 
 def run_fwd(
     plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
     seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
-    page_size=1, kv_batch=None,
+    page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
 ) -> None:
-    """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k = k.shape[2]
+    """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
+
+    Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
+    q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
+    capacity) that reads never pass."""
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    if cu_seqlens_q is not None:
+        batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]  # seqlen_q: rows of q
+        partial_rows = seqlen_q
+        lse_strides = (0, 1, seqlen_q)  # (batch, row, head) of (nheads, total_q)
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        partial_rows = batch * seqlen_q
+        lse_strides = (nheads * seqlen_q, 1, seqlen_q)
     has_softcap = softcap > 0
     splits = plan.num_splits
     if splits > 1:
         # One allocation for both partial buffers (an allocation is several microseconds).
-        o_elems = splits * batch * seqlen_q * nheads * head_dim
-        scratch = torch.empty(o_elems + splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
-        oaccum = scratch[:o_elems].view(splits, batch, seqlen_q, nheads, head_dim)
-        lseaccum = scratch[o_elems:].view(splits, batch, nheads, seqlen_q)
+        o_elems = splits * partial_rows * nheads * head_dim
+        scratch = torch.empty(o_elems + splits * partial_rows * nheads, dtype=torch.float32, device=q.device)
+        oaccum = scratch[:o_elems]
+        lseaccum = scratch[o_elems:]
+        if seqused_q is not None:
+            lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
     else:
         oaccum = lseaccum = None
+    k_strides, v_strides = _rows3(k), _rows3(v)
+    if cu_seqlens_k is not None and block_table is None:
+        k_strides, v_strides = (0, *k.stride()[:2]), (0, *v.stride()[:2])
     packed = params_mod.pack_fwd_values(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=out.data_ptr(),
-        lse_ptr=lse.data_ptr(),
-        alibi_slopes_ptr=alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
-        seqused_k_ptr=seqused_k.data_ptr() if seqused_k is not None else 0,
-        leftpad_k_ptr=leftpad_k.data_ptr() if leftpad_k is not None else 0,
-        kv_batch_idx_ptr=kv_batch_idx.data_ptr() if kv_batch_idx is not None else 0,
-        block_table_ptr=block_table.data_ptr() if block_table is not None else 0,
-        oaccum_ptr=oaccum.data_ptr() if oaccum is not None else 0,
-        lseaccum_ptr=lseaccum.data_ptr() if lseaccum is not None else 0,
-        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), o_strides=out.stride(),
+        lse_ptr=lse.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes), seqused_k_ptr=_ptr(seqused_k),
+        leftpad_k_ptr=_ptr(leftpad_k), kv_batch_idx_ptr=_ptr(kv_batch_idx), block_table_ptr=_ptr(block_table),
+        oaccum_ptr=_ptr(oaccum), lseaccum_ptr=_ptr(lseaccum), cu_seqlens_q_ptr=_ptr(cu_seqlens_q),
+        cu_seqlens_k_ptr=_ptr(cu_seqlens_k), seqused_q_ptr=_ptr(seqused_q),
+        q_strides=_rows3(q), k_strides=k_strides, v_strides=v_strides, o_strides=_rows3(out),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
+        lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[2], partial_rows=partial_rows,
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_k_new=seqlen_k_new,
-        kv_batch=kv_batch if kv_batch is not None else k.shape[0], num_splits=splits,
-        nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        kv_batch=kv_batch if kv_batch is not None else (batch if cu_seqlens_k is not None else k.shape[0]),
+        num_splits=splits, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         window_left=plan.window_left, window_right=plan.window_right,
         qhead_per_khead=nheads // nheads_k, page_size=page_size,
         scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
@@ -115,12 +153,15 @@ def run_fwd(
     index = device_index(q)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     if splits > 1:
+        # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine
+        # sees a varlen call as one sequence of total_q rows.
+        row_o, row_lse = nheads * head_dim, nheads
         launch_combine(
             oaccum, lseaccum, out, lse,
-            partial_strides=(batch * seqlen_q * nheads * head_dim, seqlen_q * nheads * head_dim, nheads * head_dim, head_dim),
-            lse_partial_strides=(batch * nheads * seqlen_q, nheads * seqlen_q, 1, seqlen_q),
-            out_strides=out.stride()[:3], lse_strides=(nheads * seqlen_q, 1, seqlen_q),
-            num_splits=splits, batch=batch, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
+            partial_strides=(partial_rows * row_o, seqlen_q * row_o, row_o, head_dim),
+            lse_partial_strides=(partial_rows * row_lse, seqlen_q * row_lse, row_lse, 1),
+            out_strides=_rows3(out), lse_strides=lse_strides, num_splits=splits,
+            batch=batch if cu_seqlens_q is None else 1, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
         )
 
 
@@ -252,4 +293,191 @@ def flash_attn_kvpacked_func(
     return flash_attn_func(
         q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable-length batches: sequences packed along one row dimension, delimited by cu_seqlens.
+
+
+def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits):
+    """Validated varlen forward: returns (out (total_q, nheads, d), softmax_lse (nheads, total_q))."""
+    total_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[-2]
+    batch = cu_seqlens_q.shape[0] - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    paged = block_table is not None
+    if paged:
+        page_size, capacity, kv_batch = k.shape[1], block_table.shape[1] * k.shape[1], k.shape[0]
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+    else:
+        page_size, capacity, kv_batch = 1, k.shape[0], batch
+    if config.check_inputs():
+        validate.varlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, capacity, paged,
+                               block_table, page_size, k.shape[0], seqused_q, seqused_k)
+    if total_q == 0 or nheads == 0 or max_seqlen_q == 0:
+        lse.fill_(-float("inf"))
+        out.zero_()
+        return out, lse
+    plan: FwdPlan = plan_fwd(
+        dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+        nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
+        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(device_index(q)), paged=paged,
+        num_splits=num_splits, family=config.forced_family(), varlen=True,
+    )
+    validate.grid(plan)
+    if seqused_q is not None and plan.num_splits == 1:
+        # Rows past seqused_q belong to no sequence: the kernel does not write them.
+        out.zero_()
+        lse.fill_(-float("inf"))
+    run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
+            softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=capacity,
+            seqused_k=seqused_k, block_table=block_table, page_size=page_size, kv_batch=kv_batch,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q)
+    return out, lse
+
+
+@torch.library.custom_op("flashgen::varlen_fwd", mutates_args=(), device_types="cuda")
+def _varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
+    seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor],
+    pack_gqa: typing.Optional[bool], num_splits: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    del deterministic  # a backward option, carried for autograd
+    return _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       (window_left, window_right), softcap, alibi_slopes, None, seqused_q, seqused_k, pack_gqa,
+                       num_splits)
+
+
+@_varlen_fwd_op.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, pack_gqa, num_splits,
+                     deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgen::varlen_bwd", mutates_args=("dq", "dk", "dv"), device_types="cuda")
+def _varlen_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
+    seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor], deterministic: bool,
+) -> None:
+    from .backward import flash_bwd
+
+    flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+              window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+              deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+@_varlen_bwd_op.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
+                     deterministic) -> None:
+    return None
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+     seqused_q, seqused_k, _, _, deterministic) = inputs
+    out, lse = output
+    optional = [t for t in (alibi_slopes, seqused_q, seqused_k) if t is not None]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *optional)
+    ctx.present = (alibi_slopes is not None, seqused_q is not None, seqused_k is not None)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    del dlse  # lse is not differentiable
+    q, k, v, out, lse, cu_q, cu_k, *optional = ctx.saved_tensors
+    alibi_slopes, seqused_q, seqused_k = (optional.pop(0) if present else None for present in ctx.present)
+    max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, deterministic = ctx.options
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _varlen_bwd_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
+                   window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, deterministic)
+    return (dq, dk, dv) + (None,) * 15
+
+
+_varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None, seqused_q=None, seqused_k=None, pack_gqa=None, num_splits=1,
+):
+    """Attention over a batch of sequences packed without padding (flash_attn 2.x semantics, plus
+    FA3's ``seqused_q/k``, ``pack_gqa`` and ``num_splits``).
+
+    q (total_q, nheads, d); k/v (total_k, nheads_k, d), or with ``block_table`` (batch, max_pages)
+    int32 a paged cache (num_pages, page_size, nheads_k, d) whose sequence b has the keys counted
+    by cu_seqlens_k (or seqused_k). cu_seqlens_q/k: int32 (batch + 1,) cumulative lengths;
+    max_seqlen_q/k: the longest sequences. Returns ``out`` (total_q, nheads, d), or
+    ``(out, softmax_lse, None)`` with softmax_lse float32 (nheads, total_q). Rows outside every
+    sequence (or past seqused_q) come out as 0 with lse -inf.
+    """
+    validate.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if block_table is not None:
+        if needs_grad:
+            raise NotImplementedError(
+                "block_table: paged keys are for inference; the backward of a paged varlen call is not "
+                "supported (call under torch.no_grad(), or pass k/v as (total_k, nheads_k, head_dim))"
+            )
+        out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
+                               bool(causal), tuple(window_size), float(softcap), alibi_slopes, block_table,
+                               seqused_q, seqused_k, pack_gqa, int(num_splits))
+    else:
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
+                bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+                seqused_q, seqused_k, pack_gqa, int(num_splits))
+        if needs_grad or torch.compiler.is_compiling():
+            out, lse = _varlen_fwd_op(*args, bool(deterministic))
+        else:
+            out, lse = _varlen_fwd(*args[:9], args[9:11], args[11], args[12], None, *args[13:])
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """qkv (total, 3, nheads, d); cu_seqlens int32 (batch + 1,)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(
+            f"qkv must be a 4-D tensor (total, 3, nheads, head_dim), got "
+            f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}"
+        )
+    return flash_attn_varlen_func(
+        qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False,
+):
+    """q (total_q, nheads, d), kv (total_k, 2, nheads_k, d)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(
+            f"kv must be a 4-D tensor (total_k, 2, nheads_k, head_dim), got "
+            f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
+        )
+    return flash_attn_varlen_func(
+        q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
     )

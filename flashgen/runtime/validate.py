@@ -256,6 +256,110 @@ def kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes
     _on_device("q", q, ("kv", kv), ("alibi_slopes", alibi_slopes))
 
 
+def _cu_seqlens(name: str, t, batch_plus_one: int | None) -> int:
+    """cu_seqlens: int32 (batch + 1,), contiguous; returns batch."""
+    layout = "(batch + 1,)" if batch_plus_one is None else f"({batch_plus_one},)"
+    shape = _tensor(name, t, (torch.int32,), 1, layout)
+    if shape[0] < 2 or (batch_plus_one is not None and shape[0] != batch_plus_one):
+        raise ValueError(f"{name} must have shape {layout} with batch >= 1 (cumulative sequence lengths), got {tuple(shape)}")
+    if t.stride()[0] != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()[0]}; pass {name}.contiguous()")
+    return shape[0] - 1
+
+
+def _max_seqlen(name: str, x) -> None:
+    accepted = "an integer >= 0 (the longest sequence)"
+    if type(x) is not int and not isinstance(x, numbers.Integral):
+        raise _not_integer(name, x, accepted)
+    if not 0 <= x < 2**31:
+        raise ValueError(f"{name} must be {accepted}, below 2**31, got {x}")
+
+
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+           window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits):
+    """flash_attn_varlen_func: q (total_q, nheads, d); k/v (total_k, nheads_k, d), or with
+    ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, d).
+    Returns (batch, page_size, capacity): capacity is the K/V rows reads may touch."""
+    q_shape = _half("q", q, 3, "(total_q, nheads, head_dim)")
+    total_q, nheads, head_dim = q_shape
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        raise _bad_head_dim("q", q_shape)
+    batch = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    if batch > GRID_YZ_LIMIT:
+        raise _bad_batch("cu_seqlens_q", batch)
+    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch + 1)
+    _max_seqlen("max_seqlen_q", max_seqlen_q)
+    _max_seqlen("max_seqlen_k", max_seqlen_k)
+    paged = block_table is not None
+    kv_layout = "(num_pages, page_size, nheads_k, head_dim)" if paged else "(total_k, nheads_k, head_dim)"
+    k_shape = _half("k", k, 4 if paged else 3, kv_layout, q_dtype=q.dtype)
+    v_shape = _half("v", v, 4 if paged else 3, kv_layout, q_dtype=q.dtype)
+    if k_shape[-1] != head_dim:
+        raise ValueError(f"k must have q's head_dim {head_dim}: {kv_layout}, got shape {tuple(k_shape)}")
+    if k_shape[-2] == 0 or nheads % k_shape[-2]:
+        raise _bad_nheads_k("k", k_shape[-2], nheads, k_shape)
+    if v_shape != k_shape:
+        raise ValueError(f"v must have k's shape {tuple(k_shape)}, got {tuple(v_shape)}")
+    if paged:
+        table_shape = _tensor("block_table", block_table, (torch.int32,), 2, f"(batch={batch}, max_pages)")
+        if table_shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch={batch}, max_pages), got {tuple(table_shape)}")
+        page_size = k_shape[1]
+        if page_size < 1:
+            raise ValueError(f"k must have a page size (shape[1]) >= 1 with block_table, got shape {tuple(k_shape)}")
+        capacity = table_shape[1] * page_size
+    else:
+        page_size, capacity = 1, k_shape[0]
+    if seqused_q is not None:
+        _int32_vector("seqused_q", seqused_q, batch)
+    if seqused_k is not None:
+        _int32_vector("seqused_k", seqused_k, batch)
+    _dropout(dropout_p)
+    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    if alibi_slopes is not None:
+        _alibi(alibi_slopes, batch, nheads)
+    _on_device("q", q, ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+               ("block_table", block_table), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
+               ("alibi_slopes", alibi_slopes))
+    return batch, page_size, capacity
+
+
+def varlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, capacity, paged,
+                  block_table, page_size, num_pages, seqused_q, seqused_k) -> None:
+    """FLASHGEN_CHECK_INPUTS=1: the varlen checks that read device memory (they synchronize).
+    Without them the kernels clamp every offset and length to the tensors, so bad values give
+    wrong answers, never stray accesses."""
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, None if paged else capacity, max_seqlen_k)):
+        values = cu.cpu()
+        lengths = values[1:] - values[:-1]
+        if values[0] != 0 or (lengths < 0).any():
+            raise ValueError(f"{name} must start at 0 and never decrease, got {values.tolist()}")
+        if total is not None and values[-1] != total:
+            raise ValueError(f"{name} must end at the number of rows {total}, got {values[-1].item()}")
+        if name == "cu_seqlens_k" and paged:
+            continue  # checked with the block table below
+        used = seqused_q if name == "cu_seqlens_q" else seqused_k
+        if used is not None:
+            counts = used.cpu()
+            if (counts < 0).any() or (counts > lengths).any():
+                raise ValueError(f"{name[3:].replace('seqlens', 'seqused')} must lie in [0, sequence length], got {counts.tolist()}")
+            lengths = counts
+        if lengths.numel() and lengths.max() > longest:
+            raise ValueError(f"max_{name[3:].replace('seqlens', 'seqlen')} must be at least the longest sequence "
+                             f"{lengths.max().item()}, got {longest}")
+    if paged:
+        lengths = (seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]).cpu()
+        if (lengths < 0).any() or (lengths > capacity).any() or lengths.max() > max_seqlen_k:
+            raise ValueError(f"key lengths must lie in [0, min(max_seqlen_k={max_seqlen_k}, {capacity})] "
+                             f"(block_table's capacity), got {lengths.tolist()}")
+        table = block_table.cpu()
+        for b, used in enumerate(lengths.tolist()):
+            needed = table[b, : -(-used // page_size)]
+            if ((needed < 0) | (needed >= num_pages)).any():
+                raise ValueError(f"block_table[{b}] holds page indices outside [0, {num_pages}): {needed.tolist()}")
+
+
 def kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
     block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, pack_gqa,

@@ -138,7 +138,27 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const slice = int(blockIdx.y) - bidh_kv * Tr::kDSlices;
     int const col0 = slice * Tr::kDSlice;  // first head-dim column of this CTA's dK/dV/dQ
     int const bidb = blockIdx.z;
-    int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, head_dim = params.head_dim;
+    int const head_dim = params.head_dim;
+    // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset,
+    // k_offset + seqlen_k) of k/v/dk/dv. Offsets and lengths are clamped to the tensors, and the
+    // query length to max_seqlen_q (the semaphores hold that many query blocks).
+    const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
+    const int* cu_seqlens_k = reinterpret_cast<const int*>(params.cu_seqlens_k_ptr);
+    const int* seqused_q = reinterpret_cast<const int*>(params.seqused_q_ptr);
+    const int* seqused_k = reinterpret_cast<const int*>(params.seqused_k_ptr);
+    int q_offset = 0, k_offset = 0, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    if (cu_seqlens_q != nullptr) {
+        q_offset = min(max(cu_seqlens_q[bidb], 0), params.seqlen_q);
+        seqlen_q = min(max(cu_seqlens_q[bidb + 1] - q_offset, 0), params.seqlen_q - q_offset);
+    }
+    if (cu_seqlens_k != nullptr) {
+        k_offset = min(max(cu_seqlens_k[bidb], 0), params.seqlen_k);
+        seqlen_k = min(max(cu_seqlens_k[bidb + 1] - k_offset, 0), params.seqlen_k - k_offset);
+    }
+    if (seqused_q != nullptr) seqlen_q = min(max(seqused_q[bidb], 0), seqlen_q);
+    if (seqused_k != nullptr) seqlen_k = min(max(seqused_k[bidb], 0), seqlen_k);
+    seqlen_q = min(seqlen_q, params.max_seqlen_q);
+    int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;
     int const diag = seqlen_k - seqlen_q;
     int const qhpk = params.nheads / params.nheads_k;
     int const key0 = n_block * kBlockN;
@@ -157,8 +177,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     }
 
     // K and V tiles, loaded once.
-    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + bidb * params.k_batch_stride + bidh_kv * params.k_head_stride;
-    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride + bidh_kv * params.v_head_stride;
+    const T* k_base = reinterpret_cast<const T*>(params.k_ptr) + bidb * params.k_batch_stride +
+                      k_offset * params.k_row_stride + bidh_kv * params.k_head_stride;
+    const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride +
+                      k_offset * params.v_row_stride + bidh_kv * params.v_head_stride;
     copy_rows_async<NCopy>(sK, kStride, head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
         return key0 + r < seqlen_k ? k_base + (key0 + r) * params.k_row_stride : nullptr;
     }));
@@ -192,8 +214,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     auto issue_step = [&](int t) {
         int const bidh = bidh_kv * qhpk + t / m_count;
         int const q0 = (m_block_min + t % m_count) * kBlockM;
-        const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride + bidh * params.q_head_stride;
-        const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride + bidh * params.do_head_stride;
+        const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
+                          q_offset * params.q_row_stride + bidh * params.q_head_stride;
+        const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
+                           q_offset * params.do_row_stride + bidh * params.do_head_stride;
         copy_rows_async<MCopy>(sQ, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
             return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
         }));
@@ -202,7 +226,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         }));
         // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded
         // rows read 0 for both: their Q and dO rows are 0, so they still contribute exactly 0.
-        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;
+        int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
         for (int r = tid; r < kBlockM; r += Tr::kNThreads) {
             bool const valid = q0 + r < seqlen_q;
             cp_async_4(smem_u32(sLSE + r), reinterpret_cast<const float*>(params.lse_ptr) + row_stats + q0 + r, valid);
@@ -304,8 +328,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
             gemm_a_reg_b<Element, kBlockN, Tr::kDQCols / 8, kStrideBytes>(acc_dq, a, smem_u32(sK) + dq_col0 * 2, lane);
         }
         // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
-        int64_t const row_stats = (int64_t(bidb) * params.nheads + bidh) * seqlen_q;
-        int* sem = semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks + m_block;
+        int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
+        int* sem = semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
         if (semaphores != nullptr) {
             // Deterministic: the key blocks that see this query block add to it one after another,
             // in key order. They are n_first.. (a local window's left edge skips the first ones);
@@ -340,8 +364,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     }
 
     // dK (scaled) and dV for this CTA's keys and head-dim slice.
-    T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride + bidh_kv * params.dk_head_stride;
-    T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + bidh_kv * params.dv_head_stride;
+    T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride +
+                 k_offset * params.dk_row_stride + bidh_kv * params.dk_head_stride;
+    T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride +
+                 k_offset * params.dv_row_stride + bidh_kv * params.dv_head_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         int const key = key_row[half];

@@ -265,7 +265,6 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     int const split = int(blockIdx.z) - bidb * num_splits;
     FastDivmod const qhpk = params.qhead_per_khead;
     int const bidh_kv = Tr::kPackGQA ? bidh : qhpk.div(bidh);
-    int const seqlen_q = params.seqlen_q;
     int const head_dim = params.head_dim;
 
     // Keys of this batch element: [leftpad, used) of its K/V row, never past the row's capacity,
@@ -275,14 +274,36 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     const int* leftpad_ptr = reinterpret_cast<const int*>(params.leftpad_k_ptr);
     const int* kv_batch_idx = reinterpret_cast<const int*>(params.kv_batch_idx_ptr);
     const int* block_table = reinterpret_cast<const int*>(params.block_table_ptr);
-    int const leftpad = leftpad_ptr != nullptr ? max(leftpad_ptr[bidb], 0) : 0;
-    int const used = seqused != nullptr ? seqused[bidb] + params.seqlen_k_new : params.seqlen_k;
+    const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
+    const int* cu_seqlens_k = reinterpret_cast<const int*>(params.cu_seqlens_k_ptr);
+    const int* seqused_q = reinterpret_cast<const int*>(params.seqused_q_ptr);
+    // Varlen queries: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q, o and lse.
+    int q_offset = 0;
+    int seqlen_q = params.seqlen_q;
+    if (cu_seqlens_q != nullptr) {
+        q_offset = min(max(cu_seqlens_q[bidb], 0), params.seqlen_q);
+        seqlen_q = min(max(cu_seqlens_q[bidb + 1] - q_offset, 0), params.seqlen_q - q_offset);
+    }
+    if (seqused_q != nullptr) seqlen_q = min(max(seqused_q[bidb], 0), seqlen_q);
+    // Varlen keys are rows [start, start + length) of the one K/V row, i.e. a left pad of start;
+    // paged, they start at the sequence's first page.
+    int leftpad, used;
+    if (cu_seqlens_k != nullptr) {
+        int const start = cu_seqlens_k[bidb];
+        int const length = seqused != nullptr ? seqused[bidb] : cu_seqlens_k[bidb + 1] - start;
+        leftpad = Tr::kPaged ? 0 : min(max(start, 0), params.seqlen_k);
+        used = leftpad + min(max(length, 0), params.seqlen_k - leftpad);
+    } else {
+        leftpad = leftpad_ptr != nullptr ? max(leftpad_ptr[bidb], 0) : 0;
+        used = seqused != nullptr ? seqused[bidb] + params.seqlen_k_new : params.seqlen_k;
+    }
     int const kv_b = kv_batch_idx != nullptr ? kv_batch_idx[bidb] : bidb;
     bool const kv_b_valid = Tr::kPaged || (kv_b >= 0 && kv_b < params.kv_batch);
     int const seqlen_k = kv_b_valid ? max(min(used, params.seqlen_k) - leftpad, 0) : 0;
     // Packed rows: row r is query position r / qhpk of head bidh * qhpk + r % qhpk.
     int const rows_total = Tr::kPackGQA ? seqlen_q * qhpk.divisor : seqlen_q;
     int const row_start = m_block * kBlockM;
+    if (row_start >= rows_total) return;  // a varlen sequence shorter than the longest
     // Key j is visible from query i iff i + diag - window_left <= j <= i + diag + window_right.
     int const diag = seqlen_k - seqlen_q;
 
@@ -313,7 +334,8 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     }
 
     // ---- Prologue: Q and the first K block in flight.
-    const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride;
+    const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
+                      q_offset * params.q_row_stride;
     auto const q_ptrs = row_ptrs<QCopy, T>(tid, [&](int r) -> const T* {
         int const row = row_start + r;
         if (row >= rows_total) return nullptr;
@@ -630,7 +652,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     float* lse_out = reinterpret_cast<float*>(params.lse_ptr);
     float* oaccum = reinterpret_cast<float*>(params.oaccum_ptr);
     float* lseaccum = reinterpret_cast<float*>(params.lseaccum_ptr);
-    int64_t const split_batch = int64_t(split) * params.batch + bidb;
+    // Partials are (split, row, head) with rows numbered across the batch.
+    int64_t const partial_row0 =
+        split * params.partial_rows + (cu_seqlens_q != nullptr ? q_offset : int64_t(bidb) * params.seqlen_q);
     bool const owns_rows = Tr::kWarpsN == 1 || warp_n == 0;  // holds the merged rows
 #pragma unroll
     for (int mi = 0; mi < kMI && owns_rows; ++mi) {
@@ -647,7 +671,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             int const head = Tr::kPackGQA ? bidh * qhpk.divisor + (row - m * qhpk.divisor) : bidh;
             if (write_partial) {
                 if (row < rows_total) {
-                    float* o_row = oaccum + ((split_batch * seqlen_q + m) * params.nheads + head) * head_dim;
+                    float* o_row = oaccum + ((partial_row0 + m) * params.nheads + head) * head_dim;
 #pragma unroll
                     for (int di = 0; di < kDI; ++di) {
                         int const col = di * 8 + 2 * (lane % 4);
@@ -657,7 +681,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                         }
                     }
                     if (lane % 4 == 0) {
-                        lseaccum[(split_batch * params.nheads + head) * seqlen_q + m] = lse;
+                        lseaccum[(partial_row0 + m) * params.nheads + head] = lse;
                     }
                 }
             } else {
@@ -668,14 +692,14 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                                        acc_o[mi][di][2 * half + 1] * inv_sum);
                 }
                 if (lane % 4 == 0 && row < rows_total) {
-                    lse_out[(int64_t(bidb) * params.nheads + head) * seqlen_q + m] = lse;
+                    lse_out[bidb * params.lse_batch_stride + head * params.lse_head_stride + q_offset + m] = lse;
                 }
             }
         }
     }
     if (write_partial) return;
     __syncthreads();
-    T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride;
+    T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + q_offset * params.o_row_stride;
     store_rows<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> T* {
         int const row = row_start + r;
         if (row >= rows_total) return nullptr;

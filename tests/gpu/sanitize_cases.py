@@ -1,0 +1,264 @@
+"""GPU cases for compute-sanitizer (scripts/sanitize.sh): small shapes that reach the kernels'
+edge paths, each still checked against the reference.
+
+Not named test_*.py, so the normal run does not collect it; pass it to pytest explicitly:
+
+    python -m pytest -q tests/gpu/sanitize_cases.py            # all cases (memcheck runs these)
+    python -m pytest -q tests/gpu/sanitize_cases.py -k core    # the racecheck / synccheck subset
+
+What each group reaches (issue 8):
+  * odd sizes (seqlen 1, 17, 113, 255, 1023), head dims off the instances (40 on the d64
+    instance, 200 on d256: predicated columns);
+  * seqlen_k 0 and 1, and rows that see no key (causal with seqlen_q > seqlen_k, local windows);
+  * GQA / MQA, PackGQA on and off, the decode tile;
+  * split-KV with more splits than a sequence has key blocks (empty splits) and splits that a
+    window leaves empty;
+  * paged KV with page sizes 1 and 17, append + rotary (GPT-J and GPT-NeoX), leftpad,
+    cache_batch_idx, NaN outside the valid cache range;
+  * backward (dq, dk, dv), GQA, d256 (two head-dim slices), and deterministic mode;
+  * flash_attn_combine, 1 to 256 splits.
+
+Shapes are small (a sanitizer slows kernels 10-100x) and mostly bf16, so that the kernels they need
+are few (prebuilt by scripts/sanitize.sh with `flashgen build --filter`). The checks and input
+builders are the GPU tier's own (test_fwd, test_bwd, test_kvcache), so a case here fails for the
+same reasons the tier would.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref
+from test_bwd import check_bwd, check_grads, flash_grads
+from test_fwd import _seed, call_poisoned, check_fwd, make_qkv  # noqa: F401  (_seed: autouse, a seed per test id)
+from test_kvcache import Case, check_combine, check_kvcache, make_kwargs, random_partials
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+CAUSAL = {"causal": True}
+LOCAL = {"window_size": (33, 7)}
+DIAG = {"window_size": (0, 0)}  # each query sees at most its diagonal key
+NONE: dict = {}
+
+
+def _mask_id(mask: dict) -> str:
+    if mask.get("causal"):
+        return "causal"
+    if "window_size" in mask:
+        left, right = mask["window_size"]
+        return f"local{left}_{right}"
+    return "nomask"
+
+
+def _core(param_id: str, core: bool) -> str:
+    # "core" cases form the racecheck / synccheck subset (-k core): one launch of each kernel family.
+    return f"core-{param_id}" if core else param_id
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_func forward: odd sizes, seqlen_k 0 / 1, rows without keys
+
+
+def _fwd_case(seqlen_q, seqlen_k, head_dim, mask, core=False):
+    pid = f"sq{seqlen_q}-sk{seqlen_k}-d{head_dim}-{_mask_id(mask)}"
+    return pytest.param(seqlen_q, seqlen_k, head_dim, mask, id=_core(pid, core))
+
+
+FWD_CASES = [
+    _fwd_case(1, 1, 64, NONE),
+    _fwd_case(113, 113, 128, CAUSAL, core=True),
+    _fwd_case(1023, 1023, 64, LOCAL),
+    _fwd_case(1, 1023, 128, CAUSAL),            # decode tile
+    _fwd_case(1023, 17, 40, CAUSAL, core=True),  # sq > sk: rows 0..1005 see no key; d40 on d64
+    _fwd_case(113, 1, 200, NONE, core=True),     # one key; d200 on the d256 instance
+    _fwd_case(17, 1, 128, CAUSAL),               # one key, only the last row sees it
+    _fwd_case(255, 1023, 256, DIAG),
+    _fwd_case(1023, 255, 128, DIAG),             # sq > sk with a (0, 0) window: most rows see nothing
+    _fwd_case(300, 113, 64, {"window_size": (-1, 16)}),
+]
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim, mask", FWD_CASES)
+def test_sanitize_fwd(seqlen_q, seqlen_k, head_dim, mask):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 4, head_dim)
+    check_fwd(q, k, v, **mask)
+
+
+@pytest.mark.parametrize("mask", [pytest.param(NONE, id="core-nomask"), pytest.param(CAUSAL, id="causal")])
+def test_sanitize_fwd_seqlen_k_zero(mask):
+    """No key at all: the kernel still runs (no key block), writes 0 and lse -inf."""
+    q, k, v = make_qkv(2, 17, 0, 4, 4, 64)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **mask)
+    assert out.shape == q.shape and (out == 0).all()
+    assert lse.shape == (2, 4, 17) and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# GQA / PackGQA, split-KV through flash_attn_func
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, head_dim, pack_gqa, mask", [
+    pytest.param(1, 1023, 8, 1, 128, True, CAUSAL, id="core-mqa8_1-sq1-packed-decode-causal"),
+    pytest.param(113, 300, 8, 2, 128, True, LOCAL, id="gqa8_2-sq113-packed-local33_7"),
+    pytest.param(113, 300, 8, 2, 128, False, CAUSAL, id="gqa8_2-sq113-unpacked-causal"),
+    pytest.param(3, 517, 32, 2, 64, True, NONE, id="gqa32_2-sq3-packed-48rows-nomask"),
+    pytest.param(300, 113, 8, 2, 256, True, CAUSAL, id="core-gqa8_2-sq300-sk113-packed-d256-causal"),
+])
+def test_sanitize_fwd_gqa(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, pack_gqa, mask):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    check_fwd(q, k, v, pack_gqa=pack_gqa, **mask)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, num_splits, mask", [
+    # Clamped on the host to the key blocks (16 of 64 keys).
+    pytest.param(1, 1000, 1000, CAUSAL, id="sq1-sk1000-splits1000-causal"),
+    # A 21-key window: of 32 splits, all but one or two see no key of a query block.
+    pytest.param(128, 2048, 32, {"window_size": (17, 3)}, id="core-sq128-sk2048-splits32-local17_3"),
+    # 5 key blocks in 4 splits of 2 blocks: the last split is empty for every row.
+    pytest.param(3, 320, 4, NONE, id="sq3-sk320-splits4-nomask"),
+])
+def test_sanitize_fwd_num_splits(seqlen_q, seqlen_k, num_splits, mask):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, 128)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, num_splits=num_splits, **mask)
+    out_ref, lse_ref = attention_ref(q, k, v, **mask)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, **mask)
+    assert_close_fa_rule(out, out_ref, out_pt, k=3.0, name=f"out(num_splits={num_splits})")
+    assert_lse_close(lse, lse_ref, name=f"lse(num_splits={num_splits})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask", [
+    pytest.param(113, 255, 4, 4, 128, CAUSAL, id="core-sq113-sk255-d128-causal"),
+    pytest.param(1023, 17, 4, 4, 64, CAUSAL, id="sq1023-sk17-d64-causal"),  # rows without keys
+    pytest.param(1, 1, 4, 4, 64, NONE, id="sq1-sk1-d64-nomask"),
+    pytest.param(255, 1, 4, 4, 200, LOCAL, id="core-sq255-sk1-d200-local33_7"),  # two head-dim slices
+    pytest.param(113, 300, 8, 2, 256, LOCAL, id="gqa8_2-sq113-sk300-d256-local33_7"),
+    pytest.param(300, 113, 8, 1, 128, DIAG, id="mqa8_1-sq300-sk113-d128-local0_0"),
+])
+def test_sanitize_bwd(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    check_bwd(q, k, v, **mask)
+
+
+def test_sanitize_bwd_seqlen_k_zero():
+    q, k, v = make_qkv(2, 17, 0, 4, 4, 64)
+    dq, dk, dv = flash_grads(flashgen.flash_attn_func, (q, k, v), torch.randn_like(q), causal=True)
+    assert dq.shape == q.shape and (dq == 0).all()
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask", [
+    pytest.param(300, 1023, 8, 2, 128, CAUSAL, id="core-gqa8_2-sq300-sk1023-d128-causal"),
+    # d256: the dQ semaphores count per head-dim slice; sq > sk leaves the first query blocks empty.
+    pytest.param(300, 113, 4, 2, 256, CAUSAL, id="core-gqa4_2-sq300-sk113-d256-causal"),
+    pytest.param(1023, 511, 8, 1, 64, LOCAL, id="mqa8_1-sq1023-sk511-d64-local33_7"),
+])
+def test_sanitize_bwd_deterministic(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
+    """Two deterministic backward passes through one forward: bitwise equal, and within the rule.
+    (A CTA that waits on a dQ semaphore that never reaches its value hangs here; the sanitizer
+    script's per-tool timeout turns that into a failure.)"""
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    dout = torch.randn_like(q)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = flashgen.flash_attn_func(*leaves, deterministic=True, **mask)
+    passes = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(2)]
+    for name, g0, g1 in zip(("dq", "dk", "dv"), *passes):
+        assert torch.equal(g0, g1), f"{name} differs between two deterministic passes"
+    check_grads(q, k, v, dout, passes[0], **mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: paged (page 1, 17), append + rotary, split-KV with empty splits
+
+
+def _kv_case(case_id: str, core: bool = False, **fields):
+    return pytest.param(Case(**fields), id=_core(case_id, core))
+
+
+KVCACHE_CASES = [
+    _kv_case("page1-append1-rotary_neox_half", core=True, page_size=1, rotary_fraction=0.5),
+    _kv_case("page17-append3-sq3-rotary_gptj_full", core=True, page_size=17, seqlen_q=3, seqlen_new=3,
+             rotary_fraction=1.0, rotary_interleaved=True),
+    _kv_case("page17-nonew-empty_element-nomask", page_size=17, seqlen_new=0, empty_element=True, causal=False),
+    # seqlen_k 1, 1 and 0 (no new tokens).
+    _kv_case("contiguous-nonew-seqlens1_1_0", seqlen_new=0, seqlens=(1, 1, 0)),
+    _kv_case("contiguous-append3-sq3-leftpad-batch_idx-rotary", seqlen_q=3, seqlen_new=3, rotary_fraction=0.5,
+             leftpad=True, batch_idx=True),
+    # 32 key blocks of capacity, sequences of 2-71 keys: splits >= 2 see no key (lse -inf partials).
+    _kv_case("contiguous-splits1000-short_seqs", core=True, capacity=2000, seqlens=(1, 70, 5), num_splits=1000),
+    # Capacity 323 (19 pages of 17) = 6 key blocks in 4 splits of 2: the last split is empty; element 0
+    # has no key at all.
+    _kv_case("page17-splits4-nonew-seqlens0_150_323", page_size=17, capacity=323, seqlen_new=0,
+             seqlens=(0, 150, 323), num_splits=4),
+    # 16 query rows, short caches, no new tokens: under causal, the first rows see no key.
+    _kv_case("contiguous-sq16-nonew-seqlens3_10_0-causal", core=True, seqlen_q=16, seqlen_new=0, seqlens=(3, 10, 0)),
+    _kv_case("page16-gqa32_8-sq5-append5-local0_0-packed", page_size=16, nheads=32, nheads_k=8, seqlen_q=5,
+             seqlen_new=5, causal=False, window_size=(0, 0), pack_gqa=True),
+    _kv_case("page17-append3-sq3-leftpad-nan_outside", page_size=17, seqlen_q=3, seqlen_new=3, leftpad=True,
+             nan_outside_valid=True),
+    _kv_case("page1-d256-gqa16_2-append1", page_size=1, head_dim=256, nheads=16, nheads_k=2),
+    _kv_case("page17-d40-mqa8_1-append1-rotary_neox_half", page_size=17, head_dim=40, nheads_k=1,
+             rotary_fraction=0.5),
+]
+
+
+@pytest.mark.parametrize("c", KVCACHE_CASES)
+def test_sanitize_kvcache(c):
+    check_kvcache(make_kwargs(c))
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_combine
+
+
+@pytest.mark.parametrize("num_splits, head_dim, out_dtype", [
+    pytest.param(1, 128, None, id="splits1-d128-fp32"),
+    pytest.param(3, 72, BF16, id="core-splits3-d72-bf16"),
+    pytest.param(17, 256, None, id="splits17-d256-fp32"),
+    pytest.param(256, 64, FP16, id="splits256-d64-fp16"),  # kMaxSplits
+])
+def test_sanitize_combine(num_splits, head_dim, out_dtype):
+    check_combine(*random_partials(num_splits, head_dim=head_dim), out_dtype=out_dtype)
+
+
+# --- varlen: sequences of length 0 and 1, max_seqlen past every length, paged keys, backward ----
+from test_varlen import LENGTHS, check_sequences, check_sequence_grads, cu, ragged, run_varlen, varlen_grads  # noqa: E402
+
+
+@pytest.mark.parametrize("splits", [pytest.param(1, id="core-nosplit"), pytest.param(7, id="splits7")])
+def test_sanitize_varlen_fwd(splits):
+    lengths_q, lengths_k = LENGTHS["ragged"]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, [max(lengths_q) + 50], [max(lengths_k) + 9], causal=True,
+                          num_splits=splits)
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [pytest.param(1, id="core-page1"), pytest.param(17, id="page17")])
+def test_sanitize_varlen_paged(page_size):
+    lengths_q, lengths_k = [3, 0, 1], [40, 5, 1]
+    q = torch.randn(sum(lengths_q), 4, 64, dtype=torch.float16, device="cuda")
+    max_pages = -(-max(lengths_k) // page_size)
+    k_cache = torch.randn(3 * max_pages, page_size, 2, 64, dtype=torch.float16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(3 * max_pages, device="cuda").view(3, max_pages).to(torch.int32)
+    out, lse = run_varlen(q, k_cache, v_cache, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k,
+                          block_table=table, causal=True)
+    k = torch.cat([k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
+    v = torch.cat([v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
+
+
+@pytest.mark.parametrize("deterministic", [pytest.param(False, id="core-bwd"), pytest.param(True, id="deterministic")])
+def test_sanitize_varlen_bwd(deterministic):
+    lengths_q, lengths_k = LENGTHS["decode-like"]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    grads = varlen_grads(q, k, v, cu_q, cu_k, max(lengths_q) + 3, max(lengths_k), dout, causal=True,
+                         deterministic=deterministic)
+    check_sequence_grads(q, k, v, dout, grads, lengths_q, lengths_k, causal=True)
