@@ -21,6 +21,8 @@ __all__ = [
     "assert_close_fa_rule",
     "assert_lse_close",
     "attention_flops",
+    "philox4x32_10",
+    "dropout_keep_mask",
 ]
 
 
@@ -61,6 +63,8 @@ def attention_ref(
     upcast: bool = True,
     reorder_ops: bool = False,
     dtype: torch.dtype | None = None,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward by PyTorch ops, with flash_attn_func's arguments and semantics.
 
@@ -84,6 +88,10 @@ def attention_ref(
 
     reorder_ops=True scales k instead of q: the same math rounded differently, to estimate the error
     due to operation order alone.
+
+    dropout_mask (batch, nheads, seqlen_q, seqlen_k) bool: probabilities where it is False are
+    dropped and the kept ones scaled by 1 / (1 - dropout_p) (after the lse, which dropout leaves
+    alone), as flash_attn's dropout does.
     """
     _check_args(q, k, v, window_size, softcap, alibi_slopes)
     if upcast:
@@ -126,6 +134,8 @@ def attention_ref(
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     # softmax of an all -inf row is NaN; FlashAttention defines that row's output as 0.
     probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     return out, lse
 
@@ -246,3 +256,58 @@ def attention_flops(
         raise ValueError(f"mode must be one of {tuple(_MODE_FACTOR)}; got {mode!r}")
     flops = 4 * batch * nheads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
     return flops * _MODE_FACTOR[mode]
+
+
+# --- dropout -------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_DROPOUT_DOMAIN = 0x666C6773  # kDropoutDomain in templates/common.cuh
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a uint32 constant and uint32 values held in int64
+    (split in 16-bit halves so no product overflows int64)."""
+    low = a * (b & 0xFFFF)
+    high = a * (b >> 16)
+    t = low + ((high & 0xFFFF) << 16)
+    return (high >> 16) + (t >> 32), t & _MASK32
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Random123) on tensors: counter a 4-tuple and key a 2-tuple of int64 tensors
+    (or ints) holding uint32 values; returns the 4 output words as int64 tensors."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + 0x9E3779B9) & _MASK32
+        k1 = (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int,
+                      seqlen_k: int, device=None) -> torch.Tensor:
+    """The dropout pattern of a flashgen call, (batch, nheads, seqlen_q, seqlen_k) bool (True: kept),
+    recomputed from its rng_state ([seed, offset], int64) as the kernels compute it (Dropout in
+    templates/common.cuh). Query and key positions are those within each sequence."""
+    from .runtime.interface import DropoutState
+
+    seed, offset = (int(x) for x in rng_state.tolist())
+    threshold = DropoutState(float(dropout_p), seed, offset).params()["dropout_threshold"]
+    device = device if device is not None else "cpu"
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
+    i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
+    chunk = torch.arange(-(-seqlen_k // 16), device=device).view(1, 1, 1, -1)
+    words = philox4x32_10(
+        (chunk, i, (b * nheads + h) & _MASK32, offset & _MASK32),
+        (seed & _MASK32, ((seed >> 32) & _MASK32) ^ _DROPOUT_DOMAIN),
+    )
+    shape = torch.broadcast_shapes(b.shape, h.shape, i.shape, chunk.shape)
+    words = torch.stack([w.expand(shape) for w in words], dim=-1)           # (..., chunks, 4)
+    shifts = torch.arange(4, device=device) * 8
+    random_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                  # (..., chunks, 4, 4)
+    random_bytes = random_bytes.flatten(-3)[..., :seqlen_k]                # key j = 16 * chunk + 4 * word + byte
+    return random_bytes < threshold

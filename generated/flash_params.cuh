@@ -38,6 +38,8 @@ struct FwdParams {
     long long lse_batch_stride;  // elements; 0 for varlen
     long long lse_head_stride;  // elements (lse rows are contiguous)
     long long partial_rows;  // rows of one split's partials: batch * seqlen_q, or total_q for varlen
+    long long philox_seed;  // dropout: RNG seed (see Dropout in common.cuh)
+    long long philox_offset;  // dropout: RNG offset of this call
     int batch;
     int seqlen_q;  // query rows per sequence, or for varlen the rows of q (total_q)
     int seqlen_k;  // keys, or with seqused_k / varlen the capacity of a K/V row (reads never pass it)
@@ -56,8 +58,10 @@ struct FwdParams {
     float softcap_scale;  // softmax_scale / softcap
     float softcap;  // 0 when off
     float alibi_scale;  // ALiBi slope multiplier into score units
+    unsigned int dropout_threshold;  // keep a probability iff its random byte < this; 256: no dropout
+    float rp_dropout;  // 1 / (1 - dropout_p)
 };
-static_assert(sizeof(FwdParams) == 344, "Params size drift");
+static_assert(sizeof(FwdParams) == 368, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(FwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(FwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -91,24 +95,28 @@ static_assert(__builtin_offsetof(FwdParams, block_table_batch_stride) == 224, "P
 static_assert(__builtin_offsetof(FwdParams, lse_batch_stride) == 232, "Params layout drift: lse_batch_stride");
 static_assert(__builtin_offsetof(FwdParams, lse_head_stride) == 240, "Params layout drift: lse_head_stride");
 static_assert(__builtin_offsetof(FwdParams, partial_rows) == 248, "Params layout drift: partial_rows");
-static_assert(__builtin_offsetof(FwdParams, batch) == 256, "Params layout drift: batch");
-static_assert(__builtin_offsetof(FwdParams, seqlen_q) == 260, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 264, "Params layout drift: seqlen_k");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 268, "Params layout drift: seqlen_k_new");
-static_assert(__builtin_offsetof(FwdParams, kv_batch) == 272, "Params layout drift: kv_batch");
-static_assert(__builtin_offsetof(FwdParams, num_splits) == 276, "Params layout drift: num_splits");
-static_assert(__builtin_offsetof(FwdParams, nheads) == 280, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(FwdParams, nheads_k) == 284, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(FwdParams, head_dim) == 288, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(FwdParams, window_left) == 292, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(FwdParams, window_right) == 296, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 300, "Params layout drift: qhead_per_khead");
-static_assert(__builtin_offsetof(FwdParams, page_size) == 312, "Params layout drift: page_size");
-static_assert(__builtin_offsetof(FwdParams, scale_log2) == 324, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 328, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 332, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap) == 336, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 340, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, philox_seed) == 256, "Params layout drift: philox_seed");
+static_assert(__builtin_offsetof(FwdParams, philox_offset) == 264, "Params layout drift: philox_offset");
+static_assert(__builtin_offsetof(FwdParams, batch) == 272, "Params layout drift: batch");
+static_assert(__builtin_offsetof(FwdParams, seqlen_q) == 276, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 280, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 284, "Params layout drift: seqlen_k_new");
+static_assert(__builtin_offsetof(FwdParams, kv_batch) == 288, "Params layout drift: kv_batch");
+static_assert(__builtin_offsetof(FwdParams, num_splits) == 292, "Params layout drift: num_splits");
+static_assert(__builtin_offsetof(FwdParams, nheads) == 296, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(FwdParams, nheads_k) == 300, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(FwdParams, head_dim) == 304, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(FwdParams, window_left) == 308, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(FwdParams, window_right) == 312, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 316, "Params layout drift: qhead_per_khead");
+static_assert(__builtin_offsetof(FwdParams, page_size) == 328, "Params layout drift: page_size");
+static_assert(__builtin_offsetof(FwdParams, scale_log2) == 340, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 344, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 348, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 352, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 356, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 360, "Params layout drift: dropout_threshold");
+static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 364, "Params layout drift: rp_dropout");
 #endif
 
 struct CombineParams {
@@ -292,6 +300,8 @@ struct BwdParams {
     long long alibi_batch_stride;  // elements; 0 when slopes are (nheads,)
     long long stats_batch_stride;  // rows of lse / dsum / dq_accum per batch element (0 for varlen)
     long long stats_head_stride;  // rows of lse / dsum / dq_accum per head
+    long long philox_seed;  // dropout: the forward's RNG seed
+    long long philox_offset;  // dropout: the forward's RNG offset
     int batch;
     int seqlen_q;  // query rows per sequence, or for varlen the rows of q (total_q)
     int seqlen_k;  // keys per sequence, or for varlen the rows of k (total_k)
@@ -306,8 +316,10 @@ struct BwdParams {
     float softcap_scale;  // softmax_scale / softcap
     float softcap;  // 0 when off
     float alibi_scale;  // as in FwdParams
+    unsigned int dropout_threshold;  // as in FwdParams
+    float rp_dropout;  // as in FwdParams
 };
-static_assert(sizeof(BwdParams) == 344, "Params size drift");
+static_assert(sizeof(BwdParams) == 368, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(BwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(BwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -345,20 +357,24 @@ static_assert(__builtin_offsetof(BwdParams, dv_head_stride) == 256, "Params layo
 static_assert(__builtin_offsetof(BwdParams, alibi_batch_stride) == 264, "Params layout drift: alibi_batch_stride");
 static_assert(__builtin_offsetof(BwdParams, stats_batch_stride) == 272, "Params layout drift: stats_batch_stride");
 static_assert(__builtin_offsetof(BwdParams, stats_head_stride) == 280, "Params layout drift: stats_head_stride");
-static_assert(__builtin_offsetof(BwdParams, batch) == 288, "Params layout drift: batch");
-static_assert(__builtin_offsetof(BwdParams, seqlen_q) == 292, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(BwdParams, seqlen_k) == 296, "Params layout drift: seqlen_k");
-static_assert(__builtin_offsetof(BwdParams, max_seqlen_q) == 300, "Params layout drift: max_seqlen_q");
-static_assert(__builtin_offsetof(BwdParams, nheads) == 304, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(BwdParams, nheads_k) == 308, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(BwdParams, head_dim) == 312, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(BwdParams, window_left) == 316, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(BwdParams, window_right) == 320, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(BwdParams, scale_log2) == 324, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(BwdParams, softmax_scale) == 328, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(BwdParams, softcap_scale) == 332, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(BwdParams, softcap) == 336, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 340, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(BwdParams, philox_seed) == 288, "Params layout drift: philox_seed");
+static_assert(__builtin_offsetof(BwdParams, philox_offset) == 296, "Params layout drift: philox_offset");
+static_assert(__builtin_offsetof(BwdParams, batch) == 304, "Params layout drift: batch");
+static_assert(__builtin_offsetof(BwdParams, seqlen_q) == 308, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(BwdParams, seqlen_k) == 312, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(BwdParams, max_seqlen_q) == 316, "Params layout drift: max_seqlen_q");
+static_assert(__builtin_offsetof(BwdParams, nheads) == 320, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(BwdParams, nheads_k) == 324, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(BwdParams, head_dim) == 328, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(BwdParams, window_left) == 332, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(BwdParams, window_right) == 336, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(BwdParams, scale_log2) == 340, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(BwdParams, softmax_scale) == 344, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap_scale) == 348, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(BwdParams, softcap) == 352, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 356, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(BwdParams, dropout_threshold) == 360, "Params layout drift: dropout_threshold");
+static_assert(__builtin_offsetof(BwdParams, rp_dropout) == 364, "Params layout drift: rp_dropout");
 #endif
 
 struct BwdRowParams {

@@ -169,7 +169,7 @@ def is_finite(x) -> bool:
 
 def options_ok(dropout_p=0.0, softmax_scale=None, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None):
     return (
-        is_real(dropout_p) and dropout_p == 0
+        is_real(dropout_p) and 0 <= dropout_p < 1
         and (softmax_scale is None or is_real(softmax_scale) and softmax_scale > 0 and is_finite(softmax_scale))
         and isinstance(window_size, (tuple, list)) and len(window_size) == 2
         and all(isinstance(w, numbers.Integral) and -1 <= w < 2**63 for w in window_size)

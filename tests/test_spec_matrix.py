@@ -13,10 +13,11 @@ from flashgen.generator.spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, Ke
 URI_PATTERN = re.compile(
     r"flash_(?P<direction>fwd|bwd|append|combine|bwd_pre|bwd_post)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
     r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?(?P<paged>_paged)?"
-    r"(?P<decode>_decode)?_(?P<arch>sm\d+a?)"
+    r"(?P<decode>_decode)?(?P<dropout>_dropout)?_(?P<arch>sm\d+a?)"
 )
-FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2 * 2 * 2  # softcap, pack_gqa, paged, decode
-BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2  # softcap
+# softcap, pack_gqa, paged, decode; plus the dropout variants of the unpaged, non-decode ones
+FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * (2 * 2 * 2 * 2 + 2 * 2)
+BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dropout
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 
@@ -37,6 +38,7 @@ def test_uris_unique_and_readable():
         assert bool(match["pack_gqa"]) == spec.pack_gqa
         assert bool(match["paged"]) == spec.paged
         assert bool(match["decode"]) == spec.decode
+        assert bool(match["dropout"]) == spec.dropout
         assert match["arch"] == spec.arch.replace("_", "")
 
 
@@ -56,6 +58,8 @@ def test_spec_round_trips_and_rejects_bad_fields():
         KernelSpec("fwd", "sm80", "sm_80", "bf16", 100)
     with pytest.raises(ValueError, match="dtype"):
         KernelSpec("fwd", "sm80", "sm_80", "fp32", 128)
+    with pytest.raises(ValueError, match="dropout"):
+        KernelSpec("fwd", "sm80", "sm_80", "bf16", 128, paged=True, dropout=True)
 
 
 def test_matrix_counts():

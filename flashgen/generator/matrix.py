@@ -45,12 +45,14 @@ def family_for(arch: str) -> str:
 def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
     for family, family_archs in FAMILY_ARCHS.items():
         flags = (False, True)
-        for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode in itertools.product(
-            family_archs, DTYPES, HEAD_DIMS, MASKS, flags, flags, flags, flags
+        for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout in itertools.product(
+            family_archs, DTYPES, HEAD_DIMS, MASKS, flags, flags, flags, flags, flags
         ):
             if archs is not None and arch not in archs:
                 continue
-            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode)
+            if dropout and (paged or decode):  # dropout is for training (see spec.py)
+                continue
+            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
@@ -69,11 +71,11 @@ def combine_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
 
 def bwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
     for family, family_archs in FAMILY_ARCHS.items():
-        for arch, dtype, head_dim, mask, softcap in itertools.product(
-            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True)
+        for arch, dtype, head_dim, mask, softcap, dropout in itertools.product(
+            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True), (False, True)
         ):
             if archs is None or arch in archs:
-                yield KernelSpec("bwd", family, arch, dtype, head_dim, mask, softcap)
+                yield KernelSpec("bwd", family, arch, dtype, head_dim, mask, softcap, dropout=dropout)
 
 
 def bwd_row_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -65,6 +65,7 @@ def render_instance(spec: KernelSpec) -> str:
             d_slices=tile.d_slices,
             mask_enum=spec.mask.capitalize(),
             softcap=_cpp_bool(spec.softcap),
+            dropout=_cpp_bool(spec.dropout),
         )
     tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
     return _env().get_template("fwd_instance.cu.j2").render(
@@ -81,6 +82,7 @@ def render_instance(spec: KernelSpec) -> str:
         softcap=_cpp_bool(spec.softcap),
         pack_gqa=_cpp_bool(spec.pack_gqa),
         paged=_cpp_bool(spec.paged),
+        dropout=_cpp_bool(spec.dropout),
     )
 
 

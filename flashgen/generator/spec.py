@@ -14,6 +14,9 @@ Which switches are compile-time, and why:
   contiguous path keeps its lean addressing and registers.
 * ``decode`` picks the tile for few query rows (one warp, 16 rows): decode-shaped calls are bound by
   reading K/V, and a 128-row tile would spend the tensor cores on padding instead.
+* ``dropout`` adds a Philox draw per 16 probabilities; as a run-time branch its registers cost the
+  kernels without dropout their spill-free allocation (d64 forward: 0 -> 156 bytes of spills), so
+  it is compiled in only where asked for (forward without paging or the decode tile, backward).
 
 Run-time (in the Params struct) and why: split-KV (only the epilogue differs: one uniform branch),
 cache_seqlens / cache_batch_idx / leftpad (per-CTA scalars), ALiBi (one uniform branch per score tile; the slopes
@@ -57,6 +60,7 @@ class KernelSpec:
     pack_gqa: bool = False
     paged: bool = False
     decode: bool = False
+    dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -73,8 +77,10 @@ class KernelSpec:
                 raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
             if self.direction == "bwd" and (self.pack_gqa or self.paged or self.decode):
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
-        elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode) != (
-            0, "none", False, False, False, False
+            if self.dropout and (self.paged or self.decode):
+                raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
+        elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout) != (
+            0, "none", False, False, False, False, False
         ):
             raise ValueError(f"{self.direction} kernels take the head dim at run time and no switches: {self}")
         if not self.arch.startswith("sm_"):
@@ -97,6 +103,8 @@ class KernelSpec:
             parts.append("paged")
         if self.decode:
             parts.append("decode")
+        if self.dropout:
+            parts.append("dropout")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 

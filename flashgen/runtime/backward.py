@@ -35,7 +35,7 @@ class BwdPlan:
 def plan_bwd(
     *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
     causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
-    family: str | None = None,
+    family: str | None = None, dropout: bool = False,
 ) -> BwdPlan:
     """The backward instance and grid for a call (a pure function, like plan_fwd)."""
     if not isinstance(device, DeviceInfo):
@@ -46,7 +46,7 @@ def plan_bwd(
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
-    spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0)
+    spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)
     grid = (max(1, -(-seqlen_k // tile.block_n)), nheads_k * tile.d_slices, batch)
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
@@ -61,7 +61,7 @@ def flash_bwd(
     dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
     window_size: tuple[int, int], softcap: float, alibi_slopes, deterministic: bool,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-    seqused_q=None, seqused_k=None,
+    seqused_q=None, seqused_k=None, dropout=None,
 ) -> None:
     """Write dq, dk, dv (preallocated, shaped like q, k, v) for attention's output gradient dout.
 
@@ -69,7 +69,7 @@ def flash_bwd(
     loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
     (total, heads, d), lse is (nheads, total_q).
     """
-    from .interface import _aligned, _launch  # shared with the forward (same device handling)
+    from .interface import NO_DROPOUT, _aligned, _launch  # shared with the forward (same device handling)
 
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
@@ -94,7 +94,7 @@ def flash_bwd(
     plan = plan_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
-        family=config.forced_family(),
+        family=config.forced_family(), dropout=dropout is not None and dropout.p > 0,
     )
     if seqlen_k == 0 or max_seqlen_k == 0:
         dq.zero_()
@@ -143,6 +143,7 @@ def flash_bwd(
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
+        **(dropout or NO_DROPOUT).params(),
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
         values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})

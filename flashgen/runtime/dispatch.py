@@ -91,13 +91,15 @@ def plan_fwd(
     num_splits: int = 1,
     family: str | None = None,
     varlen: bool = False,
+    dropout: bool = False,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
 
     ``dtype`` is "fp16"/"bf16" or a torch dtype; ``seqlen_k`` is the key count, or for a KV cache
     its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and
-    MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch.
+    MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch;
+    ``dropout``: the instance with the Philox mask (never paged, never the decode tile).
     """
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
@@ -120,7 +122,9 @@ def plan_fwd(
     else:
         pack = bool(pack_gqa)
     rows = seqlen_q * qhead_per_khead if pack else seqlen_q
-    decode = rows <= DECODE_MAX_ROWS
+    if dropout and paged:
+        raise ValueError("dropout_p must be 0 with a paged K/V cache (dropout is for training), got dropout")
+    decode = rows <= DECODE_MAX_ROWS and not dropout
     tile = fwd_tile(family, arch, d_instance, mask, decode)
     heads = nheads_k if pack else nheads
     m_blocks = max(1, -(-rows // tile.block_m))
@@ -139,8 +143,8 @@ def plan_fwd(
             dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
-            family=family, varlen=varlen,
+            family=family, varlen=varlen, dropout=dropout,
         )
-    spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode)
+    spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)

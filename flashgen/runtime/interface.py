@@ -26,6 +26,51 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 _LOG2E = 1.4426950408889634
+
+
+class DropoutState(typing.NamedTuple):
+    """A call's dropout: probability and the Philox (seed, offset) it draws with."""
+
+    p: float
+    seed: int
+    offset: int
+
+    def params(self) -> dict:
+        keep = 1.0 - self.p
+        return dict(philox_seed=self.seed, philox_offset=self.offset,
+                    dropout_threshold=min(256, max(0, round(keep * 256))) if self.p > 0 else 256,
+                    rp_dropout=1.0 / keep)
+
+    def rng_state(self) -> torch.Tensor:
+        return torch.tensor([self.seed, self.offset], dtype=torch.int64)
+
+
+NO_DROPOUT = DropoutState(0.0, 0, 0)
+# Philox offsets one call reserves from PyTorch's generator (its unit: 4 values per thread).
+PHILOX_OFFSET_STEP = 4
+
+
+def draw_dropout(dropout_p: float, device_index_: int) -> DropoutState:
+    """Take (seed, offset) from the device's default CUDA generator and advance its offset, as
+    flash_attn does: torch.manual_seed makes the masks reproducible."""
+    if dropout_p <= 0.0:
+        return NO_DROPOUT
+    generator = torch.cuda.default_generators[device_index_]
+    seed = generator.initial_seed()
+    offset = generator.get_offset()
+    generator.set_offset(offset + PHILOX_OFFSET_STEP)
+    if seed >= 2**63:  # the params field is a signed 64-bit integer: keep the bits
+        seed -= 2**64
+    return DropoutState(float(dropout_p), seed, offset)
+
+
+def dropout_from_rng_state(dropout_p: float, rng_state: torch.Tensor) -> DropoutState:
+    if dropout_p <= 0.0:
+        return NO_DROPOUT
+    seed, offset = rng_state.tolist()
+    return DropoutState(float(dropout_p), seed, offset)
+
+
 _COMBINE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -98,6 +143,7 @@ def run_fwd(
     plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
     seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
     page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+    dropout=None,
 ) -> None:
     """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
 
@@ -149,6 +195,7 @@ def run_fwd(
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
+        **(dropout or NO_DROPOUT).params(),
     )
     index = device_index(q)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
@@ -165,46 +212,54 @@ def run_fwd(
         )
 
 
-def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits):
-    """Validated dense forward: returns (out, softmax_lse)."""
+def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits,
+         dropout_p=0.0):
+    """Validated dense forward: returns (out, softmax_lse, dropout state)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if batch == 0 or seqlen_q == 0 or nheads == 0:
-        return out, lse
+        return out, lse, NO_DROPOUT
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
+    index = device_index(q)
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
-        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(device_index(q)),
-        num_splits=num_splits, family=config.forced_family(),
+        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(index),
+        num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
     )
     validate.grid(plan)
+    dropout = draw_dropout(dropout_p, index)
     run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
-            softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k)
-    return out, lse
+            softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k,
+            dropout=dropout)
+    return out, lse, dropout
 
 
 # The forward and backward as torch.library custom ops: autograd connects them, and
 # torch.compile(fullgraph=True) traces a model that calls flashgen without a graph break (the fake
-# implementations give output shapes without touching a GPU).
+# implementations give output shapes without touching a GPU). rng_state (int64 [seed, offset], on
+# the CPU) carries a dropout call's Philox state to its backward.
 @torch.library.custom_op("flashgen::fwd", mutates_args=(), device_types="cuda")
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
     window_left: int, window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
-    pack_gqa: typing.Optional[bool], num_splits: int, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pack_gqa: typing.Optional[bool], num_splits: int, dropout_p: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     del deterministic  # a backward option, carried here so that autograd can hand it over
-    return _fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes, pack_gqa, num_splits)
+    out, lse, dropout = _fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap, alibi_slopes,
+                             pack_gqa, num_splits, dropout_p)
+    return out, lse, dropout.rng_state()
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, pack_gqa,
-              num_splits, deterministic):
+              num_splits, dropout_p, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("flashgen::bwd", mutates_args=("dq", "dk", "dv"), device_types="cuda")
@@ -212,38 +267,38 @@ def _bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
     causal: bool, window_left: int, window_right: int, softcap: float,
-    alibi_slopes: typing.Optional[torch.Tensor], deterministic: bool,
+    alibi_slopes: typing.Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor, deterministic: bool,
 ) -> None:
     from .backward import flash_bwd
 
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-              deterministic=deterministic)
+              deterministic=deterministic, dropout=dropout_from_rng_state(dropout_p, rng_state))
 
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
-              softcap, alibi_slopes, deterministic) -> None:
+              softcap, alibi_slopes, dropout_p, rng_state, deterministic) -> None:
     return None
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _, _, deterministic = inputs
-    out, lse = output
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _, _, dropout_p, deterministic = inputs
+    out, lse, rng_state = output
     # Slopes go through save_for_backward too, so an in-place change before backward is caught.
-    ctx.save_for_backward(q, k, v, out, lse, *([alibi_slopes] if alibi_slopes is not None else []))
-    ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
-    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, *([alibi_slopes] if alibi_slopes is not None else []))
+    ctx.options = (softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+    ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _fwd_backward(ctx, dout, dlse):
-    del dlse  # lse is not differentiable
-    q, k, v, out, lse, *alibi = ctx.saved_tensors
-    softmax_scale, causal, window_left, window_right, softcap, deterministic = ctx.options
+def _fwd_backward(ctx, dout, dlse, drng):
+    del dlse, drng  # lse and rng_state are not differentiable
+    q, k, v, out, lse, rng_state, *alibi = ctx.saved_tensors
+    softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _bwd_op(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
-            softcap, alibi[0] if alibi else None, deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+            softcap, alibi[0] if alibi else None, dropout_p, rng_state, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -255,8 +310,12 @@ def flash_attn_func(
 ):
     """Attention over q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d).
 
-    flash_attn 2.x semantics. Returns ``out``, or ``(out, softmax_lse, None)`` when
-    ``return_attn_probs`` (softmax_lse: float32 (batch, nheads, seqlen_q), natural log).
+    flash_attn 2.x semantics. ``dropout_p`` drops attention probabilities with a Philox mask drawn
+    from PyTorch's CUDA generator (reproducible under torch.manual_seed; not inside CUDA graph
+    capture). Returns ``out``, or ``(out, softmax_lse, None)`` when ``return_attn_probs``
+    (softmax_lse: float32 (batch, nheads, seqlen_q), natural log; flashgen does not materialize
+    the probabilities or the dropout pattern: flashgen.testing.dropout_keep_mask recomputes the
+    pattern from the rng state).
     """
     validate.fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
     if softmax_scale is None:
@@ -265,10 +324,10 @@ def flash_attn_func(
             float(softcap), alibi_slopes, pack_gqa, int(num_splits))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
-        out, lse = _fwd_op(*args, bool(deterministic))
+        out, lse, _ = _fwd_op(*args, float(dropout_p), bool(deterministic))
     else:
         # Eager inference skips the custom-op dispatch (tens of microseconds per call).
-        out, lse = _fwd(*args[:5], args[5:7], *args[7:])
+        out, lse, _ = _fwd(*args[:5], args[5:7], *args[7:], float(dropout_p))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -301,8 +360,10 @@ def flash_attn_kvpacked_func(
 
 
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits):
-    """Validated varlen forward: returns (out (total_q, nheads, d), softmax_lse (nheads, total_q))."""
+                window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits,
+                dropout_p=0.0):
+    """Validated varlen forward: returns (out (total_q, nheads, d), softmax_lse (nheads, total_q),
+    dropout state)."""
     total_q, nheads, head_dim = q.shape
     nheads_k = k.shape[-2]
     batch = cu_seqlens_q.shape[0] - 1
@@ -321,14 +382,16 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if total_q == 0 or nheads == 0 or max_seqlen_q == 0:
         lse.fill_(-float("inf"))
         out.zero_()
-        return out, lse
+        return out, lse, NO_DROPOUT
+    index = device_index(q)
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
-        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(device_index(q)), paged=paged,
-        num_splits=num_splits, family=config.forced_family(), varlen=True,
+        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(index), paged=paged,
+        num_splits=num_splits, family=config.forced_family(), varlen=True, dropout=dropout_p > 0,
     )
     validate.grid(plan)
+    dropout = draw_dropout(dropout_p, index)
     if seqused_q is not None and plan.num_splits == 1:
         # Rows past seqused_q belong to no sequence: the kernel does not write them.
         out.zero_()
@@ -336,8 +399,8 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
             softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=capacity,
             seqused_k=seqused_k, block_table=block_table, page_size=page_size, kv_batch=kv_batch,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q)
-    return out, lse
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, dropout=dropout)
+    return out, lse, dropout
 
 
 @torch.library.custom_op("flashgen::varlen_fwd", mutates_args=(), device_types="cuda")
@@ -346,19 +409,22 @@ def _varlen_fwd_op(
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
     seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor],
-    pack_gqa: typing.Optional[bool], num_splits: int, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pack_gqa: typing.Optional[bool], num_splits: int, dropout_p: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     del deterministic  # a backward option, carried for autograd
-    return _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       (window_left, window_right), softcap, alibi_slopes, None, seqused_q, seqused_k, pack_gqa,
-                       num_splits)
+    out, lse, dropout = _varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        (window_left, window_right), softcap, alibi_slopes, None, seqused_q, seqused_k, pack_gqa, num_splits,
+        dropout_p)
+    return out, lse, dropout.rng_state()
 
 
 @_varlen_fwd_op.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, pack_gqa, num_splits,
-                     deterministic):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+                     dropout_p, deterministic):
+    return (q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("flashgen::varlen_bwd", mutates_args=("dq", "dk", "dv"), device_types="cuda")
@@ -367,43 +433,46 @@ def _varlen_bwd_op(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, alibi_slopes: typing.Optional[torch.Tensor],
-    seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor], deterministic: bool,
+    seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor], dropout_p: float,
+    rng_state: torch.Tensor, deterministic: bool,
 ) -> None:
     from .backward import flash_bwd
 
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
               deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+              dropout=dropout_from_rng_state(dropout_p, rng_state))
 
 
 @_varlen_bwd_op.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
-                     deterministic) -> None:
+                     dropout_p, rng_state, deterministic) -> None:
     return None
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-     seqused_q, seqused_k, _, _, deterministic) = inputs
-    out, lse = output
+     seqused_q, seqused_k, _, _, dropout_p, deterministic) = inputs
+    out, lse, rng_state = output
     optional = [t for t in (alibi_slopes, seqused_q, seqused_k) if t is not None]
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *optional)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, *optional)
     ctx.present = (alibi_slopes is not None, seqused_q is not None, seqused_k is not None)
-    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, deterministic)
-    ctx.mark_non_differentiable(lse)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+    ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _varlen_backward(ctx, dout, dlse):
-    del dlse  # lse is not differentiable
-    q, k, v, out, lse, cu_q, cu_k, *optional = ctx.saved_tensors
+def _varlen_backward(ctx, dout, dlse, drng):
+    del dlse, drng  # lse and rng_state are not differentiable
+    q, k, v, out, lse, rng_state, cu_q, cu_k, *optional = ctx.saved_tensors
     alibi_slopes, seqused_q, seqused_k = (optional.pop(0) if present else None for present in ctx.present)
-    max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, deterministic = ctx.options
+    max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _varlen_bwd_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
-                   window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, deterministic)
-    return (dq, dk, dv) + (None,) * 15
+                   window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, dropout_p, rng_state,
+                   deterministic)
+    return (dq, dk, dv) + (None,) * 16
 
 
 _varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -436,17 +505,18 @@ def flash_attn_varlen_func(
                 "block_table: paged keys are for inference; the backward of a paged varlen call is not "
                 "supported (call under torch.no_grad(), or pass k/v as (total_k, nheads_k, head_dim))"
             )
-        out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
-                               bool(causal), tuple(window_size), float(softcap), alibi_slopes, block_table,
-                               seqused_q, seqused_k, pack_gqa, int(num_splits))
+        out, lse, _ = _varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
+            tuple(window_size), float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
+            int(num_splits), float(dropout_p))
     else:
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
                 bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
                 seqused_q, seqused_k, pack_gqa, int(num_splits))
         if needs_grad or torch.compiler.is_compiling():
-            out, lse = _varlen_fwd_op(*args, bool(deterministic))
+            out, lse, _ = _varlen_fwd_op(*args, float(dropout_p), bool(deterministic))
         else:
-            out, lse = _varlen_fwd(*args[:9], args[9:11], args[11], args[12], None, *args[13:])
+            out, lse, _ = _varlen_fwd(*args[:9], args[9:11], args[11], args[12], None, *args[13:], float(dropout_p))
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -64,6 +64,8 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("lse_batch_stride", "i64", "elements; 0 for varlen"),
     Field("lse_head_stride", "i64", "elements (lse rows are contiguous)"),
     Field("partial_rows", "i64", "rows of one split's partials: batch * seqlen_q, or total_q for varlen"),
+    Field("philox_seed", "i64", "dropout: RNG seed (see Dropout in common.cuh)"),
+    Field("philox_offset", "i64", "dropout: RNG offset of this call"),
     Field("batch", "i32", ""),
     Field("seqlen_q", "i32", "query rows per sequence, or for varlen the rows of q (total_q)"),
     Field("seqlen_k", "i32", "keys, or with seqused_k / varlen the capacity of a K/V row (reads never pass it)"),
@@ -82,6 +84,8 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("softcap_scale", "f32", "softmax_scale / softcap"),
     Field("softcap", "f32", "0 when off"),
     Field("alibi_scale", "f32", "ALiBi slope multiplier into score units"),
+    Field("dropout_threshold", "u32", "keep a probability iff its random byte < this; 256: no dropout"),
+    Field("rp_dropout", "f32", "1 / (1 - dropout_p)"),
 )
 
 
@@ -165,6 +169,8 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("alibi_batch_stride", "i64", "elements; 0 when slopes are (nheads,)"),
     Field("stats_batch_stride", "i64", "rows of lse / dsum / dq_accum per batch element (0 for varlen)"),
     Field("stats_head_stride", "i64", "rows of lse / dsum / dq_accum per head"),
+    Field("philox_seed", "i64", "dropout: the forward's RNG seed"),
+    Field("philox_offset", "i64", "dropout: the forward's RNG offset"),
     Field("batch", "i32", ""),
     Field("seqlen_q", "i32", "query rows per sequence, or for varlen the rows of q (total_q)"),
     Field("seqlen_k", "i32", "keys per sequence, or for varlen the rows of k (total_k)"),
@@ -179,6 +185,8 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("softcap_scale", "f32", "softmax_scale / softcap"),
     Field("softcap", "f32", "0 when off"),
     Field("alibi_scale", "f32", "as in FwdParams"),
+    Field("dropout_threshold", "u32", "as in FwdParams"),
+    Field("rp_dropout", "f32", "as in FwdParams"),
 )
 
 BWD_ROW_PARAMS: tuple[Field, ...] = (

@@ -6,7 +6,7 @@ arguments gets exactly the CUDA-tensor error, and every other mistake is reporte
 on a CPU-only machine.
 
 Each error is a TypeError (wrong type or dtype), a ValueError (wrong value or shape) or a
-NotImplementedError (dropout), and its message starts with the argument's name, then says what is
+NotImplementedError (dropout under graph capture), and its message starts with the argument's name, then says what is
 accepted and what was given.
 
 These run on every call: plain Python, no tensor ops, no device syncs (``kvcache_values``, opted
@@ -111,8 +111,10 @@ def _dropout(dropout_p) -> None:
     p = _real("dropout_p", dropout_p, accepted)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be {accepted}, got {dropout_p!r}")
-    if p > 0.0:
-        raise NotImplementedError(f"dropout_p must be 0 for now (dropout is not implemented yet), got {dropout_p!r}")
+    if p > 0.0 and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            f"dropout_p must be 0 inside CUDA graph capture (the RNG offset is read on the host), got {dropout_p!r}"
+        )
 
 
 def _options(softmax_scale, window_size, softcap, num_splits, pack_gqa) -> None:
@@ -315,6 +317,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     if seqused_k is not None:
         _int32_vector("seqused_k", seqused_k, batch)
     _dropout(dropout_p)
+    if paged and dropout_p > 0:
+        raise ValueError(f"dropout_p must be 0 with block_table (paged keys are for inference), got {dropout_p!r}")
     _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, nheads)

@@ -22,7 +22,8 @@
 
 namespace flashgen {
 
-template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, Mask kMask_, bool kSoftcap_>
+template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, Mask kMask_, bool kSoftcap_,
+          bool kDropout_>
 struct BwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -39,6 +40,7 @@ struct BwdTraits {
     static constexpr int kDQCols = kDSlice / kDQColGroups;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
+    static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
     static constexpr int kStride = kHeadDim + 8;   // padded rows, as in the forward
     static constexpr int kDSStride = kBlockM + 8;
     static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
@@ -201,6 +203,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
     uint32_t const sQ_addr = smem_u32(sQ), sdO_addr = smem_u32(sdO);
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
+    Dropout const dropout = Dropout::from(params);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
     int* semaphores = reinterpret_cast<int*>(params.semaphore_ptr);
     // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
@@ -256,6 +259,23 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
 
         // Keys past seqlen_k are zero rows; masked anyway, since exp(0 - lse) overflows when lse
         // is very negative, and inf times a zero K row is NaN.
+        // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of the warp's
+        // 16, one 16-key chunk) and query columns; bit (mi * 2 + column) * 2 + half.
+        uint32_t keep_bits = 0xffffffffu;
+        static_assert(Tr::kMN <= 8, "keep bits: 4 per n8 tile of queries fit 32 bits");
+        if constexpr (Tr::kDropout) {
+            keep_bits = 0;
+            uint32_t const bh = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh);
+#pragma unroll
+            for (int mi = 0; mi < Tr::kMN; ++mi)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    uint4 const bytes = dropout.chunk(bh, q0 + mi * 8 + 2 * (lane % 4) + c, (key0 + warp * 16) / 16);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        keep_bits |= uint32_t(dropout.keep(bytes, lane / 4 + 8 * half)) << ((mi * 2 + c) * 2 + half);
+                }
+        }
         bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
             q0 + diag + params.window_right < key0 + kBlockN - 1 ||
             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0)));
@@ -287,8 +307,17 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                 float const lse = sLSE[qcol];
                 float const p = masked || lse == -kInfinity
                     ? 0.f : exp2_approx(s * params.scale_log2 - lse * 1.4426950408889634f);
-                st[mi][e] = p;
-                dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
+                // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
+                // the same way before the softmax's backward.
+                bool const kept = (keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1u;
+                if constexpr (Tr::kDropout) {
+                    float const rp = params.rp_dropout;
+                    st[mi][e] = kept ? p * rp : 0.f;
+                    dpt[mi][e] = p * ((kept ? dpt[mi][e] * rp : 0.f) - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
+                } else {
+                    st[mi][e] = p;
+                    dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;
+                }
             }
         }
 

@@ -8,6 +8,7 @@ namespace flashgen {
 
 using int64_t = long long;
 using uint32_t = unsigned int;
+using uint64_t = unsigned long long;
 
 // NVRTC has no <cmath>: spell infinity by its bit pattern.
 #define kInfinity __int_as_float(0x7f800000)
@@ -149,5 +150,48 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
     }
     return x;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Dropout: Philox4x32-10 (Salmon et al., SC'11), a counter-based RNG, so the backward regenerates
+// the forward's mask from (seed, offset) and each element's coordinates alone, in any layout.
+// Element (query i, key j) of (batch b, query head h) keeps its probability iff byte j % 16 of
+// philox(counter = {j / 16, i, b * nheads + h, offset}, key = {seed_lo, seed_hi ^ kDropoutDomain})
+// is below keep_threshold = round((1 - p) * 256). The key's domain constant keeps these streams
+// apart from those PyTorch draws from the same generator. flashgen.testing.dropout_keep_mask is
+// the same function in PyTorch, for the tests.
+constexpr uint32_t kDropoutDomain = 0x666c6773u;  // "flgs"
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        uint32_t const hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        uint32_t const hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c;
+}
+
+struct Dropout {
+    uint32_t seed_lo, seed_hi, offset, threshold;  // threshold 256: keep everything
+
+    template <typename Params>
+    __device__ __forceinline__ static Dropout from(const Params& p) {
+        return {uint32_t(p.philox_seed), uint32_t(uint64_t(p.philox_seed) >> 32), uint32_t(p.philox_offset),
+                p.dropout_threshold};
+    }
+    // The 16 random bytes of (head bh = b * nheads + h, query, 16-key chunk), as 4 words (byte n
+    // of word w is key 4w + n of the chunk).
+    __device__ __forceinline__ uint4 chunk(uint32_t bh, int query, int key_chunk) const {
+        return philox4x32_10(make_uint4(uint32_t(key_chunk), uint32_t(query), bh, offset), seed_lo,
+                             seed_hi ^ kDropoutDomain);
+    }
+    __device__ __forceinline__ bool keep(uint4 bytes, int key_in_chunk) const {
+        uint32_t const word = key_in_chunk < 8 ? (key_in_chunk < 4 ? bytes.x : bytes.y)
+                                               : (key_in_chunk < 12 ? bytes.z : bytes.w);
+        return ((word >> (8 * (key_in_chunk % 4))) & 0xffu) < threshold;
+    }
+};
 
 }  // namespace flashgen

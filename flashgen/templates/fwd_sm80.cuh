@@ -19,7 +19,7 @@ namespace flashgen {
 enum class Mask { None, Causal, Local };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsN_,
-          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_>
+          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_>
 struct FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -35,6 +35,7 @@ struct FwdTraits {
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kPackGQA = kPackGQA_;
     static constexpr bool kPaged = kPaged_;  // K/V rows through a page table
+    static constexpr bool kDropout = kDropout_;  // Philox mask on the probabilities (common.cuh)
 
     // Warps split the query rows kWarpsM ways and each key block kWarpsN ways. kWarpsN > 1 is for
     // decode, where a 16-row tile is already mostly padding: more warps then share the key blocks
@@ -416,6 +417,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     int const warp_row0 = warp_m * Tr::kWarpM;
     int row_pos[kMI][2];      // query position of the row (for masks and ALiBi)
     float row_slope[kMI][2];  // ALiBi slope in score units, 0 when off
+    uint32_t row_bh[kMI][2];  // batch * nheads + query head of the row (dropout's counter)
     float acc_o[kMI][kDI][4];
     float row_max[kMI][2], row_sum[kMI][2];
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
@@ -432,6 +434,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             } else {
                 row_pos[mi][half] = row;
             }
+            row_bh[mi][half] = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(head);
             row_slope[mi][half] =
                 slopes != nullptr && row < rows_total
                     ? slopes[bidb * params.alibi_batch_stride + head] * params.alibi_scale
@@ -449,6 +452,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     uint32_t const sQ_warp = smem_u32(sQ + warp_row0 * kStride);
     uint32_t const kv_warp_offset = warp_n * kWarpN * kStride * 2;  // bytes
     float const scale_log2 = params.scale_log2;
+    Dropout const dropout = Dropout::from(params);
 
     // Scores of key block n_block (in s) -> softcap, ALiBi, masks, online softmax -> P (in p).
     auto softmax_block = [&](int n_block, float (&s)[kMI][kNI][4], uint32_t (&p)[kMI][kWarpN / 16][4]) {
@@ -524,6 +528,22 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                         row_sum[mi][half] += s[mi][ni][e];
                     }
                 }
+            }
+            // Dropout after the row sums (the softmax normalizes over every key): a dropped
+            // probability becomes 0; the kept ones are scaled by 1 / (1 - p) in the epilogue.
+            if constexpr (Tr::kDropout) {
+                int const chunk0 = (n_block * kBlockN + warp_n * kWarpN) / 16;
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int c = 0; c < kWarpN / 16; ++c) {
+                        uint4 const bytes = dropout.chunk(row_bh[mi][half], row_pos[mi][half], chunk0 + c);
+#pragma unroll
+                        for (int n = 0; n < 2; ++n)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (!dropout.keep(bytes, n * 8 + 2 * (lane % 4) + e)) s[mi][2 * c + n][2 * half + e] = 0.f;
+                    }
             }
             // The m16n8 accumulator layout of two adjacent n8 tiles is the m16k16 A layout.
 #pragma unroll
@@ -661,7 +681,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[mi][half]);
-            float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            float const inv_sum = sum > 0.f ? __frcp_rn(sum) * (Tr::kDropout ? params.rp_dropout : 1.f) : 0.f;
             float const lse = sum > 0.f
                 ? (row_max[mi][half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
                 : -kInfinity;

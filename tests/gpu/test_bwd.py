@@ -398,7 +398,7 @@ def _opcheck_fwd_args(sample):
     slopes = generate_alibi_slopes(4, device=q.device) if alibi else None
     # deterministic=True: opcheck compares gradients of eager and AOT-traced runs with
     # assert_close's fp16/bf16 tolerances, which dQ's atomic reordering could exceed by an ulp.
-    return q, k, v, softmax_scale, causal, window_left, window_right, softcap, slopes, None, 1, True
+    return q, k, v, softmax_scale, causal, window_left, window_right, softcap, slopes, None, 1, 0.0, True
 
 
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
@@ -417,12 +417,13 @@ def test_opcheck_bwd(sample):
     # All default checks apply to the mutating op too: opcheck copies every tensor argument before
     # each check, so each run writes fresh dq, dk, dv; the schema check verifies that only those
     # three are written. (No input requires grad: the backward op has no autograd of its own.)
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, slopes, _, _, deterministic = (
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, slopes, _, _, dropout_p, deterministic = (
         _opcheck_fwd_args(sample))
-    out, lse = torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                      slopes, None, 1, deterministic)
+    out, lse, rng_state = torch.ops.flashgen.fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                                 slopes, None, 1, dropout_p, deterministic)
     args = (torch.randn_like(out), q, k, v, out, lse, torch.empty_like(q), torch.empty_like(k),
-            torch.empty_like(v), softmax_scale, causal, window_left, window_right, softcap, slopes, deterministic)
+            torch.empty_like(v), softmax_scale, causal, window_left, window_right, softcap, slopes, dropout_p,
+            rng_state, deterministic)
     torch.library.opcheck(torch.ops.flashgen.bwd.default, args)
 
 

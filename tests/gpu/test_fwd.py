@@ -269,10 +269,12 @@ def test_return_attn_probs():
     assert torch.equal(result[0], out)
 
 
-def test_dropout_not_implemented():
+def test_dropout_refused_in_graph_capture():
     q, k, v = make_qkv(1, 17, 17, 4, 4, 64)
-    with pytest.raises(NotImplementedError):
-        flashgen.flash_attn_func(q, k, v, dropout_p=0.1)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        with torch.cuda.graph(graph):
+            flashgen.flash_attn_func(q, k, v, dropout_p=0.1)
 
 
 def test_cuda_graph_replay():

@@ -1,0 +1,56 @@
+"""CPU tier: the dropout RNG's reference implementation (flashgen.testing), which the GPU tests
+hold the kernels to: Philox4x32-10 against Random123's known-answer vectors, and the mask's
+statistics and reproducibility."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashgen.runtime.interface import DropoutState
+from flashgen.testing import dropout_keep_mask, philox4x32_10
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, output).
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    assert tuple(int(w) for w in philox4x32_10(counter, key)) == expected
+
+
+def test_philox_vectorized_matches_scalar():
+    counters = torch.randint(0, 2**32, (4, 64), dtype=torch.int64)
+    key = (0x12345678, 0x9ABCDEF0)
+    words = philox4x32_10(tuple(counters), key)
+    for n in (0, 17, 63):
+        scalar = philox4x32_10(tuple(int(c[n]) for c in counters), key)
+        assert [int(w[n]) for w in words] == [int(w) for w in scalar]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_mask_keeps_one_minus_p(p):
+    mask = dropout_keep_mask(torch.tensor([1234, 8]), p, 2, 4, 113, 1023)
+    assert mask.shape == (2, 4, 113, 1023)
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.01
+
+
+def test_dropout_mask_depends_on_seed_offset_and_position():
+    base = dropout_keep_mask(torch.tensor([7, 0]), 0.5, 1, 2, 64, 64)
+    assert torch.equal(base, dropout_keep_mask(torch.tensor([7, 0]), 0.5, 1, 2, 64, 64))
+    assert not torch.equal(base, dropout_keep_mask(torch.tensor([8, 0]), 0.5, 1, 2, 64, 64))
+    assert not torch.equal(base, dropout_keep_mask(torch.tensor([7, 4]), 0.5, 1, 2, 64, 64))
+    assert not torch.equal(base[0, 0], base[0, 1])  # heads draw different masks
+    # Negative seeds (uint64 seeds past 2**63, stored signed) work too.
+    assert dropout_keep_mask(torch.tensor([-5, 0]), 0.5, 1, 1, 8, 8).shape == (1, 1, 8, 8)
+
+
+@pytest.mark.parametrize("p,threshold", [(0.0, 256), (0.1, 230), (0.5, 128), (0.999, 0), (1e-4, 256)])
+def test_dropout_threshold(p, threshold):
+    params = DropoutState(p, 1, 0).params()
+    assert params["dropout_threshold"] == threshold
+    assert params["rp_dropout"] == pytest.approx(1 / (1 - p))
