@@ -262,3 +262,13 @@ def test_sanitize_varlen_bwd(deterministic):
     grads = varlen_grads(q, k, v, cu_q, cu_k, max(lengths_q) + 3, max(lengths_k), dout, causal=True,
                          deterministic=deterministic)
     check_sequence_grads(q, k, v, dout, grads, lengths_q, lengths_k, causal=True)
+
+
+# --- dropout: forward and backward with the Philox mask -----------------------------------------
+from test_dropout import test_dropout_fwd_bwd as _dropout_fwd_bwd  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [pytest.param((2, 113, 257, 4, 2, 128), id="core-dropout-gqa"),
+                                   pytest.param((1, 1, 300, 8, 1, 256), id="dropout-d256-sq1")])
+def test_sanitize_dropout(shape):
+    _dropout_fwd_bwd(shape, "causal", 0.3)
