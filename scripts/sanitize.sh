@@ -185,6 +185,10 @@ for tool in $TOOLS; do
             ;;
         racecheck)
             has_opt --racecheck-report && opts+=(--racecheck-report all)
+            # Under racecheck, PyTorch's cuBLAS GEMMs (the float32 references) stopped the run with
+            # "Internal Sanitizer Error: failed to handle a hardware exception" on the H200: the
+            # cases compute their references on the CPU instead (tests/gpu/sanitize_cases.py).
+            env_vars+=(FLASHGEN_SANITIZE_CPU_REFERENCE=1)
             ;;
     esac
     # Options this compute-sanitizer rejects (they are probed from --help; a value may still be

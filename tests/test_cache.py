@@ -308,6 +308,22 @@ def test_unwritable_cache_dir_falls_back_to_a_temp_dir(
     assert fake_nvrtc.calls == [SPEC.uri, OTHER_SPEC.uri]
 
 
+def test_cache_info_names_the_fallback(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
+    from click.testing import CliRunner
+
+    from flashgen.cli import cli
+
+    cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cubins", {})  # a new process, in which the cache became read-only
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    real_probe = cache.unwritable_reason
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d))
+    cache.get_cubin(OTHER_SPEC)  # written to the fallback
+    output = CliRunner().invoke(cli, ["cache", "info"]).output
+    assert f"directory: {fresh_cache}" in output and "entries:   1" in output
+    assert f"writes:    {fallback_dir(temp_root)} (the directory above is not writable; 1 entries" in output
+
+
 def test_unwritable_cache_dir_is_still_read(
     fake_nvrtc, fresh_cache, temp_root, monkeypatch, caplog
 ):

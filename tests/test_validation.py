@@ -67,6 +67,20 @@ BASES: dict[str, tuple[typing.Callable, dict]] = {
         q=z(2, 1, 4, 64), k_cache=z(5, 8, 2, 64), v_cache=z(5, 8, 2, 64), k=z(2, 1, 2, 64), v=z(2, 1, 2, 64),
         cache_seqlens=z(2, dtype=I32), block_table=z(2, 4, dtype=I32),
     )),
+    # Varlen: 2 sequences in q (10, 4, 64), k/v (12, 2, 64); paged: 5 pages of 8, block_table (2, 4).
+    "varlen": (flashgen.flash_attn_varlen_func, dict(
+        q=z(10, 4, 64), k=z(12, 2, 64), v=z(12, 2, 64), cu_seqlens_q=z(3, dtype=I32), cu_seqlens_k=z(3, dtype=I32),
+        max_seqlen_q=6, max_seqlen_k=8, seqused_q=z(2, dtype=I32), seqused_k=z(2, dtype=I32),
+    )),
+    "varlen_paged": (flashgen.flash_attn_varlen_func, dict(
+        q=z(10, 4, 64), k=z(5, 8, 2, 64), v=z(5, 8, 2, 64), cu_seqlens_q=z(3, dtype=I32),
+        cu_seqlens_k=z(3, dtype=I32), max_seqlen_q=6, max_seqlen_k=30, block_table=z(2, 4, dtype=I32),
+    )),
+    "varlen_qkvpacked": (flashgen.flash_attn_varlen_qkvpacked_func, dict(
+        qkv=z(10, 3, 4, 64), cu_seqlens=z(3, dtype=I32), max_seqlen=6)),
+    "varlen_kvpacked": (flashgen.flash_attn_varlen_kvpacked_func, dict(
+        q=z(10, 4, 64), kv=z(12, 2, 2, 64), cu_seqlens_q=z(3, dtype=I32), cu_seqlens_k=z(3, dtype=I32),
+        max_seqlen_q=6, max_seqlen_k=8)),
     "combine": (flashgen.flash_attn_combine, dict(
         out_partial=z(3, 2, 5, 4, 64, dtype=F32), lse_partial=z(3, 2, 5, 4, dtype=F32),
         out=z(2, 5, 4, 64), out_dtype=F16,
@@ -74,7 +88,8 @@ BASES: dict[str, tuple[typing.Callable, dict]] = {
 }
 # The argument whose device the others must share: the one named by the CUDA-tensor error.
 FIRST_TENSOR = {"func": "q", "qkvpacked": "qkv", "kvpacked": "q", "kvcache": "q", "kvcache_paged": "q",
-                "combine": "out_partial"}
+                "combine": "out_partial", "varlen": "q", "varlen_paged": "q", "varlen_qkvpacked": "qkv",
+                "varlen_kvpacked": "q"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +145,8 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "alibi-3d", ValueError, "alibi_slopes", alibi_slopes=z(2, 4, 1, dtype=F32)),
         bad(base, "alibi-strided", ValueError, "alibi_slopes", alibi_slopes=strided_last(4, dtype=F32)),
     ]
+    if base in ("varlen_qkvpacked", "varlen_kvpacked"):  # flash_attn's packed varlen API: no FA3 options
+        cases = [c for c in cases if c.arg not in ("num_splits", "pack_gqa")]
     if base != "kvcache":
         cases += [
             bad(base, "dropout-one", ValueError, "dropout_p", dropout_p=1.0),
@@ -265,6 +282,55 @@ BAD = [
     bad("kvcache_paged", "page-size-zero", ValueError, "k_cache", k_cache=z(5, 0, 2, 64), v_cache=z(5, 0, 2, 64)),
     bad("kvcache_paged", "k-longer-than-pages", ValueError, "k", k=z(2, 33, 2, 64), v=z(2, 33, 2, 64)),
     bad("kvcache_paged", "cache_seqlens-int64", TypeError, "cache_seqlens", cache_seqlens=z(2, dtype=I64)),
+    # flash_attn_varlen_func: q (10, 4, 64), k/v (12, 2, 64), cu_seqlens (3,)
+    bad("varlen", "q-fp32", TypeError, "q", q=z(10, 4, 64, dtype=F32)),
+    bad("varlen", "q-4d", ValueError, "q", q=z(2, 5, 4, 64)),
+    bad("varlen", "q-strided-last-dim", ValueError, "q", q=strided_last(10, 4, 64)),
+    bad("varlen", "head_dim-264", ValueError, "q", q=z(10, 4, 264), k=z(12, 2, 264), v=z(12, 2, 264)),
+    bad("varlen", "k-bf16-q-fp16", TypeError, "k", k=z(12, 2, 64, dtype=BF16)),
+    bad("varlen", "k-4d-without-block_table", ValueError, "k", k=z(2, 6, 2, 64), v=z(2, 6, 2, 64)),
+    bad("varlen", "nheads-not-multiple", ValueError, "k", k=z(12, 3, 64), v=z(12, 3, 64)),
+    bad("varlen", "k-head_dim", ValueError, "k", k=z(12, 2, 128), v=z(12, 2, 128)),
+    bad("varlen", "v-shape", ValueError, "v", v=z(11, 2, 64)),
+    bad("varlen", "cu_seqlens_q-int64", TypeError, "cu_seqlens_q", cu_seqlens_q=z(3, dtype=I64)),
+    bad("varlen", "cu_seqlens_q-2d", ValueError, "cu_seqlens_q", cu_seqlens_q=z(3, 1, dtype=I32)),
+    bad("varlen", "cu_seqlens_q-one-entry", ValueError, "cu_seqlens_q", cu_seqlens_q=z(1, dtype=I32)),
+    bad("varlen", "cu_seqlens_q-strided", ValueError, "cu_seqlens_q", cu_seqlens_q=strided_vector(3)),
+    bad("varlen", "batch-over-grid-limit", ValueError, "cu_seqlens_q", cu_seqlens_q=z(65537, dtype=I32)),
+    bad("varlen", "cu_seqlens_k-int64", TypeError, "cu_seqlens_k", cu_seqlens_k=z(3, dtype=I64)),
+    bad("varlen", "cu_seqlens_k-batch", ValueError, "cu_seqlens_k", cu_seqlens_k=z(4, dtype=I32)),
+    bad("varlen", "max_seqlen_q-negative", ValueError, "max_seqlen_q", max_seqlen_q=-1),
+    bad("varlen", "max_seqlen_q-float", TypeError, "max_seqlen_q", max_seqlen_q=6.0),
+    bad("varlen", "max_seqlen_k-none", TypeError, "max_seqlen_k", max_seqlen_k=None),
+    bad("varlen", "max_seqlen_k-2**31", ValueError, "max_seqlen_k", max_seqlen_k=2**31),
+    bad("varlen", "seqused_q-int64", TypeError, "seqused_q", seqused_q=z(2, dtype=I64)),
+    bad("varlen", "seqused_q-batch", ValueError, "seqused_q", seqused_q=z(3, dtype=I32)),
+    bad("varlen", "seqused_k-strided", ValueError, "seqused_k", seqused_k=strided_vector(2)),
+    bad("varlen", "block_table-int64", TypeError, "block_table", block_table=z(2, 4, dtype=I64),
+        k=z(5, 8, 2, 64), v=z(5, 8, 2, 64)),
+    *option_cases("varlen"),
+    bad("varlen_paged", "k-3d-with-block_table", ValueError, "k", k=z(40, 2, 64), v=z(40, 2, 64)),
+    bad("varlen_paged", "block_table-batch", ValueError, "block_table", block_table=z(3, 4, dtype=I32)),
+    bad("varlen_paged", "block_table-1d", ValueError, "block_table", block_table=z(8, dtype=I32)),
+    bad("varlen_paged", "page-size-zero", ValueError, "k", k=z(5, 0, 2, 64), v=z(5, 0, 2, 64)),
+    bad("varlen_paged", "dropout", ValueError, "dropout_p", dropout_p=0.1),
+    bad("varlen_qkvpacked", "qkv-list", TypeError, "qkv", qkv=[0.0]),
+    bad("varlen_qkvpacked", "qkv-fp32", TypeError, "qkv", qkv=z(10, 3, 4, 64, dtype=F32)),
+    bad("varlen_qkvpacked", "qkv-two-parts", ValueError, "qkv", qkv=z(10, 2, 4, 64)),
+    bad("varlen_qkvpacked", "qkv-5d", ValueError, "qkv", qkv=z(2, 5, 3, 4, 64)),
+    bad("varlen_qkvpacked", "cu_seqlens-int64", TypeError, "cu_seqlens", cu_seqlens=z(3, dtype=I64)),
+    bad("varlen_qkvpacked", "max_seqlen-negative", ValueError, "max_seqlen", max_seqlen=-3),
+    *option_cases("varlen_qkvpacked"),
+    bad("varlen_kvpacked", "kv-fp32", TypeError, "kv", kv=z(12, 2, 2, 64, dtype=F32)),
+    bad("varlen_kvpacked", "kv-three-parts", ValueError, "kv", kv=z(12, 3, 2, 64)),
+    bad("varlen_kvpacked", "kv-3d", ValueError, "kv", kv=z(12, 2, 64)),
+    bad("varlen_kvpacked", "q-3d-ok-kv-heads", ValueError, "k", kv=z(12, 2, 3, 64)),
+    bad("varlen_kvpacked", "q-fp32", TypeError, "q", q=z(10, 4, 64, dtype=F32)),
+    bad("varlen_kvpacked", "cu_seqlens_q-int64", TypeError, "cu_seqlens_q", cu_seqlens_q=z(3, dtype=I64)),
+    bad("varlen_kvpacked", "cu_seqlens_k-batch", ValueError, "cu_seqlens_k", cu_seqlens_k=z(2, dtype=I32)),
+    bad("varlen_kvpacked", "max_seqlen_q-str", TypeError, "max_seqlen_q", max_seqlen_q="6"),
+    bad("varlen_kvpacked", "max_seqlen_k-negative", ValueError, "max_seqlen_k", max_seqlen_k=-8),
+    *option_cases("varlen_kvpacked"),
     # flash_attn_combine: out_partial (3, 2, 5, 4, 64), lse_partial (3, 2, 5, 4), out (2, 5, 4, 64) fp16
     bad("combine", "out_partial-list", TypeError, "out_partial", out_partial=[0.0]),
     bad("combine", "out_partial-fp16", TypeError, "out_partial", out_partial=z(3, 2, 5, 4, 64)),
@@ -320,6 +386,15 @@ GOOD = [
     good("kvcache_paged", "block_table-strided-last-dim",
          block_table=lambda d: torch.zeros(4, 2, dtype=I32, device=d).t()),
     good("kvcache_paged", "page-size-1", k_cache=z(5, 1, 2, 64), v_cache=z(5, 1, 2, 64), k=None, v=None),
+    good("varlen", "base"),
+    good("varlen", "dropout-splits-gqa-heuristic", dropout_p=0.3, num_splits=0, pack_gqa=None, seqused_q=None,
+         causal=True, alibi_slopes=z(2, 4, dtype=F32)),
+    good("varlen", "empty-total", q=z(0, 4, 64), k=z(0, 2, 64), v=z(0, 2, 64), max_seqlen_q=0, max_seqlen_k=0),
+    good("varlen_paged", "base"),
+    good("varlen_paged", "page-size-1-seqused_k", k=z(5, 1, 2, 64), v=z(5, 1, 2, 64), seqused_k=z(2, dtype=I32)),
+    good("varlen_qkvpacked", "base"),
+    good("varlen_qkvpacked", "options", dropout_p=0.5, window_size=(4, 4), softcap=2.0, deterministic=True),
+    good("varlen_kvpacked", "base"),
     good("combine", "base"),
     good("combine", "no-out", out=None, out_dtype=None),
     good("combine", "bf16-out", out=z(2, 5, 4, 64, dtype=BF16), out_dtype=None),
@@ -401,6 +476,31 @@ def test_value_checks():
             validate.kvcache_values(**ok | changes)
 
 
+def test_varlen_value_checks():
+    """FLASHGEN_CHECK_INPUTS=1's varlen checks (they read cu_seqlens, seqused, block_table)."""
+    cu_q, cu_k = torch.tensor([0, 3, 3, 10], dtype=I32), torch.tensor([0, 5, 6, 12], dtype=I32)
+    ok = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=6, total_q=10, capacity=12,
+              paged=False, block_table=None, page_size=1, num_pages=0, seqused_q=None, seqused_k=None)
+    validate.varlen_values(**ok)
+    validate.varlen_values(**ok | dict(seqused_q=torch.tensor([3, 0, 5], dtype=I32)))
+    table = torch.tensor([[0, 1, 9], [2, 9, 9], [3, 4, 9]], dtype=I32)  # 4-key pages: 2, 1 and 2 needed
+    validate.varlen_values(**ok | dict(paged=True, block_table=table, page_size=4, num_pages=5, capacity=12))
+    for changes, arg in [
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 2, 10], dtype=I32)), "cu_seqlens_q"),
+        (dict(cu_seqlens_q=torch.tensor([1, 3, 3, 10], dtype=I32)), "cu_seqlens_q"),
+        (dict(total_q=11), "cu_seqlens_q"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5, 6, 13], dtype=I32)), "cu_seqlens_k"),
+        (dict(max_seqlen_q=6), "max_seqlen_q"),
+        (dict(max_seqlen_k=5), "max_seqlen_k"),
+        (dict(seqused_q=torch.tensor([4, 0, 5], dtype=I32)), "seqused_q"),
+        (dict(seqused_k=torch.tensor([-1, 0, 5], dtype=I32)), "seqused_k"),
+        (dict(paged=True, block_table=table, page_size=4, num_pages=4), r"block_table\[2\]"),
+        (dict(paged=True, block_table=table, page_size=1, num_pages=5, capacity=3), "cu_seqlens_k"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{arg}"):
+            validate.varlen_values(**ok | changes)
+
+
 def _accepted_on_cpu(q_shape, k_shape) -> None:
     q = torch.empty_strided(q_shape, (0, 0, 0, 1), dtype=BF16)
     k = torch.empty_strided(k_shape, (0, 0, 0, 1), dtype=BF16)
@@ -408,24 +508,39 @@ def _accepted_on_cpu(q_shape, k_shape) -> None:
         flashgen.flash_attn_func(q, k, k)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the backward's grid (nheads_k x head-dim slices) is not checked")
-def test_known_gap_backward_grid():
+def test_backward_grid_holds_65535_kv_heads_at_any_head_dim():
+    """Head-dim slices share grid.x with the key blocks, so only the KV heads sit in gridDim.y."""
     from flashgen.runtime.backward import plan_bwd
 
     _accepted_on_cpu((1, 1, 40000, 256), (1, 1, 40000, 256))
     plan = plan_bwd(dtype="bf16", head_dim=256, batch=1, seqlen_q=1, seqlen_k=1, nheads_k=40000, causal=False,
                     window_size=(-1, -1), softcap=0.0, device=(9, 0))
-    assert plan.grid[1] <= validate.GRID_YZ_LIMIT, plan.grid
+    assert plan.tile.d_slices == 2 and plan.grid == (2, 40000, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: PackGQA's heuristic ignores the grid limit on query heads")
-def test_known_gap_pack_gqa_heuristic_grid():
+def test_pack_gqa_heuristic_packs_when_unpacked_heads_exceed_the_grid():
     from flashgen.runtime.dispatch import plan_fwd
 
     _accepted_on_cpu((1, 128, 2 * 65535, 8), (1, 128, 65535, 8))
     plan = plan_fwd(dtype="bf16", head_dim=8, batch=1, seqlen_q=128, seqlen_k=128, nheads=2 * 65535, nheads_k=65535,
                     causal=False, window_size=(-1, -1), softcap=0.0, pack_gqa=None, device=(9, 0))
-    validate.grid(plan)  # unpacked: 131070 heads in gridDim.y, and an error asking for pack_gqa=True
+    assert plan.spec.pack_gqa and plan.grid[1] == 65535
+    validate.grid(plan)
+
+
+def test_split_heuristic_keeps_batch_times_splits_in_the_grid():
+    from flashgen.runtime.dispatch import DeviceInfo, plan_fwd
+
+    # On a (hypothetical) GPU with 100k SMs the heuristic picks 21 splits for 8192 one-row sequences
+    # when free to: 172032 > 65535 CTAs in gridDim.z. The plan caps it at 65535 // 8192 = 7.
+    from flashgen.runtime import heuristics
+
+    assert heuristics.num_splits_heuristic(8192, 200_000, 8192, 1, (1 << 20) * 512, False, 128) * 8192 > 65535
+    plan = plan_fwd(dtype="bf16", head_dim=128, batch=8192, seqlen_q=1, seqlen_k=1 << 20, nheads=1, nheads_k=1,
+                    causal=False, window_size=(-1, -1), softcap=0.0, pack_gqa=None,
+                    device=DeviceInfo((9, 0), num_sms=100_000), num_splits=0)
+    assert 1 < plan.num_splits <= 7 and plan.grid[2] == 8192 * plan.num_splits
+    validate.grid(plan)
 
 
 # ---------------------------------------------------------------------------------------------

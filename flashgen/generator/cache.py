@@ -385,8 +385,9 @@ class CacheInfo:
     bytes: int     # every file, sources and metadata included
 
 
-def cache_info() -> CacheInfo:
-    directory = config.cache_dir()
+def cache_info(directory: Path | None = None) -> CacheInfo:
+    """Entries and bytes of a cache folder (default: the configured one)."""
+    directory = config.cache_dir() if directory is None else directory
     files = [p for p in directory.rglob("*") if p.is_file()] if directory.is_dir() else []
     return CacheInfo(
         directory,

@@ -22,7 +22,7 @@ _LOG2E = 1.4426950408889634
 class BwdPlan:
     spec: KernelSpec
     tile: BwdTile
-    grid: tuple[int, int, int]  # (key blocks, KV heads x head-dim slices, batch)
+    grid: tuple[int, int, int]  # (key blocks x head-dim slices, KV heads, batch)
     window_left: int
     window_right: int
 
@@ -47,7 +47,7 @@ def plan_bwd(
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
     spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)
-    grid = (max(1, -(-seqlen_k // tile.block_n)), nheads_k * tile.d_slices, batch)
+    grid = (max(1, -(-seqlen_k // tile.block_n)) * tile.d_slices, nheads_k, batch)
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
 

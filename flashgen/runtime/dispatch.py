@@ -42,6 +42,7 @@ class FwdPlan:
 
 
 MAX_SPLITS = 128
+GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
 def instance_head_dim(head_dim: int) -> int:
@@ -118,7 +119,7 @@ def plan_fwd(
         pack = heuristics.get_pack_gqa(
             cc, nheads, nheads_k, seqlen_q, default_tile.block_m, varlen_q=varlen, paged_kv_without_tma=paged,
             num_splits=num_splits,
-        )
+        ) or nheads > GRID_YZ_LIMIT  # unpacked, the query heads would not fit gridDim.y
     else:
         pack = bool(pack_gqa)
     rows = seqlen_q * qhead_per_khead if pack else seqlen_q
@@ -134,7 +135,8 @@ def plan_fwd(
         slots = device.num_sms * tile.ctas_per_sm(d_instance, device.smem_per_sm)
         num_splits = heuristics.num_splits_heuristic(
             m_blocks * heads * batch, slots, n_blocks, m_blocks,
-            seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
+            seqlen_k * head_dim * 2 * 2, mask != "none", min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch)),
+            l2_bytes=device.l2_bytes,
         )
     num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:

@@ -525,11 +525,8 @@ def flash_attn_varlen_qkvpacked_func(
     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
 ):
     """qkv (total, 3, nheads, d); cu_seqlens int32 (batch + 1,)."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(
-            f"qkv must be a 4-D tensor (total, 3, nheads, head_dim), got "
-            f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}"
-        )
+    validate.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,
+                              alibi_slopes)
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
@@ -542,11 +539,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """q (total_q, nheads, d), kv (total_k, 2, nheads_k, d)."""
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
-        raise ValueError(
-            f"kv must be a 4-D tensor (total_k, 2, nheads_k, head_dim), got "
-            f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}"
-        )
+    validate.varlen_kvpacked(q, kv)
     return flash_attn_varlen_func(
         q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

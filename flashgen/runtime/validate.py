@@ -21,10 +21,10 @@ import numbers
 import torch
 
 from ..generator.spec import HEAD_DIMS
+from .dispatch import GRID_YZ_LIMIT
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = HEAD_DIMS[-1]
-GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z
 MAX_COMBINE_SPLITS = 256  # kMaxSplits in templates/combine.cuh
 COMBINE_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROTARY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -328,6 +328,35 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     return batch, page_size, capacity
 
 
+def varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,
+                     alibi_slopes) -> None:
+    """flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, d), cu_seqlens (batch + 1,)."""
+    layout = "(total, 3, nheads, head_dim)"
+    shape = _half("qkv", qkv, 4, layout)
+    if shape[1] != 3:
+        raise ValueError(f"qkv must have shape {layout}, got {tuple(shape)}")
+    if shape[3] % 8 or not 8 <= shape[3] <= MAX_HEAD_DIM:
+        raise _bad_head_dim("qkv", shape)
+    batch = _cu_seqlens("cu_seqlens", cu_seqlens, None)
+    if batch > GRID_YZ_LIMIT:
+        raise _bad_batch("cu_seqlens", batch)
+    _max_seqlen("max_seqlen", max_seqlen)
+    _dropout(dropout_p)
+    _options(softmax_scale, window_size, softcap, 1, None)
+    if alibi_slopes is not None:
+        _alibi(alibi_slopes, batch, shape[2])
+    _on_device("qkv", qkv, ("cu_seqlens", cu_seqlens), ("alibi_slopes", alibi_slopes))
+
+
+def varlen_kvpacked(q, kv) -> None:
+    """flash_attn_varlen_kvpacked_func's kv (the rest are flash_attn_varlen_func's)."""
+    _half("q", q, 3, "(total_q, nheads, head_dim)")
+    layout = "(total_k, 2, nheads_k, head_dim)"
+    shape = _half("kv", kv, 4, layout, q_dtype=q.dtype)
+    if shape[1] != 2:
+        raise ValueError(f"kv must have shape {layout}, got {tuple(shape)}")
+
+
 def varlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, capacity, paged,
                   block_table, page_size, num_pages, seqused_q, seqused_k) -> None:
     """FLASHGEN_CHECK_INPUTS=1: the varlen checks that read device memory (they synchronize).
@@ -355,7 +384,8 @@ def varlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_
     if paged:
         lengths = (seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]).cpu()
         if (lengths < 0).any() or (lengths > capacity).any() or lengths.max() > max_seqlen_k:
-            raise ValueError(f"key lengths must lie in [0, min(max_seqlen_k={max_seqlen_k}, {capacity})] "
+            name = "seqused_k" if seqused_k is not None else "cu_seqlens_k"
+            raise ValueError(f"{name} must give key lengths in [0, min(max_seqlen_k={max_seqlen_k}, {capacity})] "
                              f"(block_table's capacity), got {lengths.tolist()}")
         table = block_table.cpu()
         for b, used in enumerate(lengths.tolist()):

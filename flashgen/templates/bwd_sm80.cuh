@@ -135,9 +135,11 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     float* sD = sLSE + kBlockM;
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    int const n_block = blockIdx.x;
-    int const bidh_kv = int(blockIdx.y) / Tr::kDSlices;
-    int const slice = int(blockIdx.y) - bidh_kv * Tr::kDSlices;
+    // blockIdx.x enumerates (key block, head-dim slice), slices fastest: the grid's y holds only
+    // the KV heads (within CUDA's 65535), and lower key blocks still launch first.
+    int const n_block = int(blockIdx.x) / Tr::kDSlices;
+    int const slice = int(blockIdx.x) - n_block * Tr::kDSlices;
+    int const bidh_kv = blockIdx.y;
     int const col0 = slice * Tr::kDSlice;  // first head-dim column of this CTA's dK/dV/dQ
     int const bidb = blockIdx.z;
     int const head_dim = params.head_dim;
