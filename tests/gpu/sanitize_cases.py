@@ -303,3 +303,21 @@ from test_dropout import test_dropout_fwd_bwd as _dropout_fwd_bwd  # noqa: E402
                                    pytest.param((1, 1, 300, 8, 1, 256), id="dropout-d256-sq1")])
 def test_sanitize_dropout(shape):
     _dropout_fwd_bwd(shape, "causal", 0.3)
+
+
+@pytest.mark.parametrize("splits", [pytest.param(1, id="core-bad-cu_seqlens"), pytest.param(4, id="bad-cu_seqlens-splits4")])
+def test_sanitize_varlen_bad_cu_seqlens(splits):
+    """Garbage cu_seqlens / seqused (decreasing, negative, past the totals) without
+    FLASHGEN_CHECK_INPUTS: wrong rows are allowed, accesses outside the tensors are not (memcheck)."""
+    q = torch.randn(40, 4, 64, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(30, 2, 64, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, 35, 20, 90, -7], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([5, 2, 60, -3, 31], dtype=torch.int32, device="cuda")
+    used = torch.tensor([100, -1, 3, 7], dtype=torch.int32, device="cuda")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = flashgen.flash_attn_varlen_func(*leaves, cu_q, cu_k, 64, 64, causal=True, num_splits=splits,
+                                          seqused_k=used)
+    torch.autograd.grad(out, leaves, torch.randn_like(out))
+    flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, seqused_q=used, seqused_k=used, num_splits=splits)
+    torch.cuda.synchronize()

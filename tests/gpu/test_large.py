@@ -320,3 +320,37 @@ def test_large_prefill_bwd_local(deterministic):
             g_ref, g_pt = grads[True][i][:, slab_rows], grads[False][i][:, slab_rows]
             eps = 1e-4 * max(1.0, g_ref.abs().max().item())
             assert_close_fa_rule(got, g_ref, g_pt, k=3.0, eps=eps, name=f"{name}[head {head}, rows {r0}:{r1}]")
+
+
+def test_large_varlen_two_million_tokens():
+    """flash_attn_varlen_func on 2.1M packed tokens (q, out: 2.1M x 16 x 128 > 2**31 elements),
+    sequences of 1M, 0, 17 and 1.1M tokens, a causal local window of 128 keys (so the kernel and
+    the reference stay cheap): rows at the start, the end and past 2**31 elements of each sequence
+    against attention_ref on just the keys they see."""
+    lengths = [1_000_000, 0, 17, 1_100_017]
+    nheads, nheads_k, head_dim, window = 16, 4, 128, (128, 0)
+    total = sum(lengths)
+    require_free_memory(2 * total * (nheads + 2 * nheads_k) * head_dim * 2 + 4 * GIB)
+    assert total * nheads * head_dim > INT32_LIMIT
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = randn(total, nheads, head_dim)
+    k, v = randn(total, nheads_k, head_dim), randn(total, nheads_k, head_dim)
+    out, lse, _ = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window,
+                                                  return_attn_probs=True)
+    starts = cu.tolist()
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        first = _first_row_past_limit(nheads * head_dim) - starts[b]
+        spans = [(0, min(n, 5)), (max(0, n - 3), n)]
+        if 0 < first < n - 3:
+            spans.append((first - 2, first + 2))  # rows on both sides of element 2**31 of q
+        for r0, r1 in spans:
+            k0 = max(0, r0 - window[0])
+            g0 = starts[b]
+            rows = slice(g0 + r0, g0 + r1)
+            keys = slice(g0 + k0, g0 + r1)
+            out_ref, lse_ref = attention_ref(q[None, rows], k[None, keys], v[None, keys], window_size=window)
+            out_pt, _ = attention_ref(q[None, rows], k[None, keys], v[None, keys], window_size=window, upcast=False)
+            assert_close_fa_rule(out[None, rows], out_ref, out_pt, k=2.0, name=f"out rows {r0}..{r1} of sequence {b}")
+            assert_lse_close(lse[None, :, rows], lse_ref, name=f"lse rows {r0}..{r1} of sequence {b}")
