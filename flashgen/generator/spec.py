@@ -12,8 +12,9 @@ Which switches are compile-time, and why:
 * ``pack_gqa`` changes the row → (query position, head) mapping of every Q load and O store.
 * ``paged`` reads K/V rows through a page table (a divmod and a table load per row); the
   contiguous path keeps its lean addressing and registers.
-* ``decode`` picks the tile for few query rows (one warp, 16 rows): decode-shaped calls are bound by
-  reading K/V, and a 128-row tile would spend the tensor cores on padding instead.
+* ``decode`` picks the tile for few query rows (16 rows, warps splitting the keys, K/V stages in
+  flight; see tiles.py): decode-shaped calls are bound by reading K/V, and a 128-row tile would spend
+  the tensor cores on padding instead.
 * ``dropout`` adds a Philox draw per 16 probabilities; as a run-time branch its registers cost the
   kernels without dropout their spill-free allocation (d64 forward: 0 -> 156 bytes of spills), so
   it is compiled in only where asked for (forward without paging or the decode tile, backward).

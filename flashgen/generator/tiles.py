@@ -82,11 +82,11 @@ _FWD_SM80_SMALL = {
 }
 
 
-# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). Small CTAs (two warps, 16 rows each)
-# with a ring of K/V stages in flight: such calls are bound by reading K/V, and a 128-row tile would
-# spend the tensor cores on padding instead. The stage count is the most that fits the target's
-# shared memory, up to FWD_DECODE_TILE.stages. Tuned on the H200 with benchmarks/tune_decode.py
-# (results: benchmarks/results/decode_tiles_h200.md).
+# Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). One 16-row tile whose four warps split
+# each 128-key block (32 keys each, merged at the end) with a ring of K/V stages in flight: such calls
+# are bound by reading K/V, and more rows per tile would spend the tensor cores on padding. The stage
+# count is the most that fits the target's shared memory, up to FWD_DECODE_TILE.stages. Tuned on the
+# H200 with benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
 FWD_DECODE_TILE = FwdTile(16, 128, 4, stages=2, warps_n=4)
 # Up to this many rows take the decode tile (in two row blocks if it holds 16: their K/V reads
 # then coincide in L2); more rows have enough work for the prefill tile.
