@@ -222,15 +222,13 @@ def cache_info_command() -> None:
     click.echo(f"directory: {info.directory}")
     click.echo(f"entries:   {info.entries}")
     click.echo(f"size:      {info.bytes / 2**20:.1f} MiB")
-    try:
-        writes_to = cache.write_dir(info.directory)
-    except OSError as exc:
-        click.echo(f"writes:    nowhere: {exc}")
-        return
-    if writes_to != info.directory:
-        fallback = cache.cache_info(writes_to)
-        click.echo(f"writes:    {writes_to} (the directory above is not writable; "
-                   f"{fallback.entries} entries, {fallback.bytes / 2**20:.1f} MiB there)")
+    # Probe only (no folder is created): where would a compile write a new kernel?
+    reason = cache.unwritable_reason(info.directory)
+    if reason is not None:
+        fallback = cache.fallback_cache_dir()
+        there = cache.cache_info(fallback)
+        click.echo(f"writes:    {fallback} (the directory above is not writable: {reason}; "
+                   f"{there.entries} entries, {there.bytes / 2**20:.1f} MiB there)")
 
 
 @cache_group.command("clear")

@@ -6,13 +6,13 @@
 namespace flashgen {
 
 struct FwdParams {
-    void* q_ptr;  // query (batch, seqlen_q, nheads, d)
-    void* k_ptr;  // key (batch, seqlen_k, nheads_k, d)
-    void* v_ptr;  // value (batch, seqlen_k, nheads_k, d)
+    void* q_ptr;  // query (batch, seqlen_q, nheads, d), or varlen (total_q, nheads, d)
+    void* k_ptr;  // key (batch, seqlen_k, nheads_k, d), varlen (total_k, nheads_k, d), or paged
+    void* v_ptr;  // value, like k
     void* o_ptr;  // output, same layout as q
-    void* lse_ptr;  // float softmax_lse (batch, nheads, seqlen_q), natural log
+    void* lse_ptr;  // float softmax_lse (batch, nheads, seqlen_q) or varlen (nheads, total_q), natural log
     void* alibi_slopes_ptr;  // float ALiBi slopes (batch?, nheads), or null
-    void* seqused_k_ptr;  // int32 (batch,): keys in use per batch element (cache_seqlens), or null
+    void* seqused_k_ptr;  // int32 (batch,): keys in use per batch element (cache_seqlens; varlen seqused_k), or null
     void* leftpad_k_ptr;  // int32 (batch,): first valid key per batch element, or null
     void* kv_batch_idx_ptr;  // int32 (batch,): K/V batch row of each batch element, or null
     void* block_table_ptr;  // int32 (batch, max_pages): paged K/V (k/v are (pages, page_size, hk, d)), or null

@@ -321,7 +321,7 @@ def test_cache_info_names_the_fallback(fake_nvrtc, fresh_cache, temp_root, monke
     cache.get_cubin(OTHER_SPEC)  # written to the fallback
     output = CliRunner().invoke(cli, ["cache", "info"]).output
     assert f"directory: {fresh_cache}" in output and "entries:   1" in output
-    assert f"writes:    {fallback_dir(temp_root)} (the directory above is not writable; 1 entries" in output
+    assert f"writes:    {fallback_dir(temp_root)} (the directory above is not writable: read-only; 1 entries" in output
 
 
 def test_unwritable_cache_dir_is_still_read(

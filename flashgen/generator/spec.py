@@ -15,12 +15,14 @@ Which switches are compile-time, and why:
 * ``decode`` picks the tile for few query rows (16 rows, warps splitting the keys, K/V stages in
   flight; see tiles.py): decode-shaped calls are bound by reading K/V, and a 128-row tile would spend
   the tensor cores on padding instead.
-* ``dropout`` adds a Philox draw per 16 probabilities; as a run-time branch its registers cost the
+* ``dropout`` adds a Philox draw per 4 (forward) or 2 (backward) probabilities of a thread; as a
+  run-time branch its registers cost the
   kernels without dropout their spill-free allocation (d64 forward: 0 -> 156 bytes of spills), so
   it is compiled in only where asked for (forward without paging or the decode tile, backward).
 
 Run-time (in the Params struct) and why: split-KV (only the epilogue differs: one uniform branch),
-cache_seqlens / cache_batch_idx / leftpad (per-CTA scalars), ALiBi (one uniform branch per score tile; the slopes
+varlen cu_seqlens / seqused and cache_seqlens / cache_batch_idx / leftpad (per-CTA scalars), dropout's
+probability and Philox seed/offset (scalars of the dropout instances), ALiBi (one uniform branch per score tile; the slopes
 pointer is null when off, so it costs nothing measurable and halves the instance count), the
 actual head dim below the instance's (predicated, zero-filled chunk loads), sequence lengths,
 window sizes, scales and strides.

@@ -122,7 +122,8 @@ def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: 
     return tile
 
 
-# The append and combine kernels give each (batch, row, head) one warp; a CTA holds this many.
+# The append and backward row kernels (bwd_pre, bwd_post) give each (batch, row, head) one warp; a
+# CTA holds this many. (The combine picks its own geometry: launch_combine in runtime/interface.py.)
 ROW_KERNEL_WARPS = 4
 
 

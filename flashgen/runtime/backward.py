@@ -51,12 +51,6 @@ def plan_bwd(
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
 
-def _strides3(t: torch.Tensor) -> dict:
-    """(batch, row, head) strides; a varlen (total, heads, d) tensor has batch stride 0."""
-    strides = t.stride()[:3] if t.dim() == 4 else (0, *t.stride()[:2])
-    return dict(zip(("batch", "row", "head"), strides))
-
-
 def flash_bwd(
     dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
     window_size: tuple[int, int], softcap: float, alibi_slopes, deterministic: bool,
@@ -69,7 +63,7 @@ def flash_bwd(
     loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
     (total, heads, d), lse is (nheads, total_q).
     """
-    from .interface import NO_DROPOUT, _aligned, _launch  # shared with the forward (same device handling)
+    from .interface import NO_DROPOUT_PARAMS, _aligned, _launch, _ptr, _rows3  # shared with the forward
 
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
@@ -116,23 +110,20 @@ def flash_bwd(
         batch=stats_batch, seqlen_q=stats_rows, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
     )
     for prefix, t in (("o", out), ("do", dout), ("dq", dq)):
-        row_values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})
+        row_values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
     row_params = params_mod.pack(params_mod.BWD_ROW_LAYOUT, row_values)
     row_grid = (-(-stats_batch * stats_rows * nheads // ROW_KERNEL_WARPS), 1, 1)
     spec = plan.spec
     pre = KernelSpec("bwd_pre", spec.family, spec.arch, spec.dtype)
     post = KernelSpec("bwd_post", spec.family, spec.arch, spec.dtype)
 
-    def ptr(t):
-        return t.data_ptr() if t is not None else 0
-
     has_softcap = softcap > 0
     values = dict(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
         lse_ptr=lse.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
-        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(), alibi_slopes_ptr=ptr(alibi_slopes),
-        semaphore_ptr=ptr(semaphores), cu_seqlens_q_ptr=ptr(cu_seqlens_q), cu_seqlens_k_ptr=ptr(cu_seqlens_k),
-        seqused_q_ptr=ptr(seqused_q), seqused_k_ptr=ptr(seqused_k),
+        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes),
+        semaphore_ptr=_ptr(semaphores), cu_seqlens_q_ptr=_ptr(cu_seqlens_q), cu_seqlens_k_ptr=_ptr(cu_seqlens_k),
+        seqused_q_ptr=_ptr(seqused_q), seqused_k_ptr=_ptr(seqused_k),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         stats_batch_stride=0 if varlen else nheads * seqlen_q, stats_head_stride=stats_rows,
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q,
@@ -143,10 +134,10 @@ def flash_bwd(
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
-        **(dropout or NO_DROPOUT).params(),
+        **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
-        values.update({f"{prefix}_{n}_stride": s for n, s in _strides3(t).items()})
+        values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
     threads = ROW_KERNEL_WARPS * 32
     _launch(pre, 0, threads, row_grid, row_params, index)
     # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.

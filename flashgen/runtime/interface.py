@@ -46,6 +46,7 @@ class DropoutState(typing.NamedTuple):
 
 
 NO_DROPOUT = DropoutState(0.0, 0, 0)
+NO_DROPOUT_PARAMS = NO_DROPOUT.params()  # packed by every forward without dropout: computed once
 # Philox offsets one call reserves from PyTorch's generator (its unit: 4 values per thread).
 PHILOX_OFFSET_STEP = 4
 
@@ -172,16 +173,13 @@ def run_fwd(
             lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
     else:
         oaccum = lseaccum = None
-    k_strides, v_strides = _rows3(k), _rows3(v)
-    if cu_seqlens_k is not None and block_table is None:
-        k_strides, v_strides = (0, *k.stride()[:2]), (0, *v.stride()[:2])
     packed = params_mod.pack_fwd_values(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=out.data_ptr(),
         lse_ptr=lse.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes), seqused_k_ptr=_ptr(seqused_k),
         leftpad_k_ptr=_ptr(leftpad_k), kv_batch_idx_ptr=_ptr(kv_batch_idx), block_table_ptr=_ptr(block_table),
         oaccum_ptr=_ptr(oaccum), lseaccum_ptr=_ptr(lseaccum), cu_seqlens_q_ptr=_ptr(cu_seqlens_q),
         cu_seqlens_k_ptr=_ptr(cu_seqlens_k), seqused_q_ptr=_ptr(seqused_q),
-        q_strides=_rows3(q), k_strides=k_strides, v_strides=v_strides, o_strides=_rows3(out),
+        q_strides=_rows3(q), k_strides=_rows3(k), v_strides=_rows3(v), o_strides=_rows3(out),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[2], partial_rows=partial_rows,
@@ -195,7 +193,7 @@ def run_fwd(
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
-        **(dropout or NO_DROPOUT).params(),
+        **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
     )
     index = device_index(q)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
@@ -490,8 +488,10 @@ def flash_attn_varlen_func(
     int32 a paged cache (num_pages, page_size, nheads_k, d) whose sequence b has the keys counted
     by cu_seqlens_k (or seqused_k). cu_seqlens_q/k: int32 (batch + 1,) cumulative lengths;
     max_seqlen_q/k: the longest sequences. Returns ``out`` (total_q, nheads, d), or
-    ``(out, softmax_lse, None)`` with softmax_lse float32 (nheads, total_q). Rows outside every
-    sequence (or past seqused_q) come out as 0 with lse -inf.
+    ``(out, softmax_lse, None)`` with softmax_lse float32 (nheads, total_q). Rows past seqused_q
+    come out as 0 with lse -inf. With cu_seqlens that do not end at total_q, or a max_seqlen below
+    a real length, rows are left unwritten (wrong answers, never stray accesses);
+    FLASHGEN_CHECK_INPUTS=1 reports such values.
     """
     validate.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                     window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits)
@@ -500,6 +500,11 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if block_table is not None:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "block_table: paged varlen calls are not traceable by torch.compile yet (no custom op takes a "
+                "block table); call them outside the compiled region"
+            )
         if needs_grad:
             raise NotImplementedError(
                 "block_table: paged keys are for inference; the backward of a paged varlen call is not "

@@ -32,13 +32,13 @@ class Field:
 
 
 FWD_PARAMS: tuple[Field, ...] = (
-    Field("q_ptr", "ptr", "query (batch, seqlen_q, nheads, d)"),
-    Field("k_ptr", "ptr", "key (batch, seqlen_k, nheads_k, d)"),
-    Field("v_ptr", "ptr", "value (batch, seqlen_k, nheads_k, d)"),
+    Field("q_ptr", "ptr", "query (batch, seqlen_q, nheads, d), or varlen (total_q, nheads, d)"),
+    Field("k_ptr", "ptr", "key (batch, seqlen_k, nheads_k, d), varlen (total_k, nheads_k, d), or paged"),
+    Field("v_ptr", "ptr", "value, like k"),
     Field("o_ptr", "ptr", "output, same layout as q"),
-    Field("lse_ptr", "ptr", "float softmax_lse (batch, nheads, seqlen_q), natural log"),
+    Field("lse_ptr", "ptr", "float softmax_lse (batch, nheads, seqlen_q) or varlen (nheads, total_q), natural log"),
     Field("alibi_slopes_ptr", "ptr", "float ALiBi slopes (batch?, nheads), or null"),
-    Field("seqused_k_ptr", "ptr", "int32 (batch,): keys in use per batch element (cache_seqlens), or null"),
+    Field("seqused_k_ptr", "ptr", "int32 (batch,): keys in use per batch element (cache_seqlens; varlen seqused_k), or null"),
     Field("leftpad_k_ptr", "ptr", "int32 (batch,): first valid key per batch element, or null"),
     Field("kv_batch_idx_ptr", "ptr", "int32 (batch,): K/V batch row of each batch element, or null"),
     Field("block_table_ptr", "ptr", "int32 (batch, max_pages): paged K/V (k/v are (pages, page_size, hk, d)), or null"),
