@@ -258,3 +258,26 @@ def test_varlen_paged_backward_refused():
     with pytest.raises(NotImplementedError, match="block_table"):
         flashgen.flash_attn_varlen_func(q.requires_grad_(), k.view(1, 4, 2, 64), v.view(1, 4, 2, 64), cu_q, cu_k,
                                         4, 4, block_table=table)
+
+
+def test_varlen_bwd_seqused():
+    """Backward with seqused_q/k: rows past seqused_q get dq = 0, keys past seqused_k dk = dv = 0."""
+    lengths_q, lengths_k = [50, 7, 0, 64], [80, 7, 5, 100]
+    used_q, used_k = [40, 7, 0, 1], [80, 3, 2, 60]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=True, seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
+                  seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
+    dq, dk, dv = varlen_grads(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dout, **kwargs)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(spans(lengths_q), spans(lengths_k))):
+        nq, nk = used_q[b], used_k[b]
+        assert (dq[q0 + nq:q1] == 0).all() and (dk[k0 + nk:k1] == 0).all() and (dv[k0 + nk:k1] == 0).all()
+        if nq == 0:
+            assert (dk[k0:k1] == 0).all() and (dv[k0:k1] == 0).all()
+            continue
+        qb, kb, vb = q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk]
+        refs = ref_grads(qb, kb, vb, dout[None, q0:q0 + nq], upcast=True, causal=True)
+        pts = ref_grads(qb, kb, vb, dout[None, q0:q0 + nq], upcast=False, causal=True)
+        for name, g, (a, z), g_ref, g_pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ((q0, q0 + nq), (k0, k0 + nk),
+                                                (k0, k0 + nk)), refs, pts):
+            assert_close_fa_rule(g[None, a:z], g_ref, g_pt, k=3.0, eps=grad_eps(g_ref), name=f"{name} of sequence {b}")
