@@ -71,18 +71,18 @@ def flash_bwd(
     if varlen:
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0]
         stats_batch, stats_rows = 1, seqlen_q  # lse, dsum, dq_accum: (nheads, total_q)
-        # Rows outside every sequence (or past seqused_k) get no gradient from the kernel.
-        dk.zero_()
-        dv.zero_()
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
         stats_batch, stats_rows = batch, seqlen_q
-    if batch == 0 or seqlen_q == 0 or nheads == 0 or max_seqlen_q == 0:
+    if 0 in (batch, seqlen_q, nheads, max_seqlen_q, seqlen_k, max_seqlen_k):
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return
+    if varlen:  # rows outside every sequence (or past seqused_k) get no gradient from the kernel
+        dk.zero_()
+        dv.zero_()
     index = device_index(q)
     info = device_info(index)
     plan = plan_bwd(
@@ -90,11 +90,6 @@ def flash_bwd(
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
         family=config.forced_family(), dropout=dropout is not None and dropout.p > 0,
     )
-    if seqlen_k == 0 or max_seqlen_k == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
     q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
     dsum = torch.empty((stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((stats_batch, nheads, stats_rows, head_dim), dtype=torch.float32, device=q.device)

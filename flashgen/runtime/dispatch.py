@@ -124,7 +124,7 @@ def plan_fwd(
         pack = bool(pack_gqa)
     rows = seqlen_q * qhead_per_khead if pack else seqlen_q
     if dropout and paged:
-        raise ValueError("dropout_p must be 0 with a paged K/V cache (dropout is for training), got dropout")
+        raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
     decode = rows <= DECODE_MAX_ROWS and not dropout
     tile = fwd_tile(family, arch, d_instance, mask, decode)
     heads = nheads_k if pack else nheads

@@ -278,10 +278,9 @@ def _max_seqlen(name: str, x) -> None:
 
 
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-           window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits):
+           window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits) -> None:
     """flash_attn_varlen_func: q (total_q, nheads, d); k/v (total_k, nheads_k, d), or with
-    ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, d).
-    Returns (batch, page_size, capacity): capacity is the K/V rows reads may touch."""
+    ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, d)."""
     q_shape = _half("q", q, 3, "(total_q, nheads, head_dim)")
     total_q, nheads, head_dim = q_shape
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
@@ -306,12 +305,8 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
         table_shape = _tensor("block_table", block_table, (torch.int32,), 2, f"(batch={batch}, max_pages)")
         if table_shape[0] != batch:
             raise ValueError(f"block_table must have shape (batch={batch}, max_pages), got {tuple(table_shape)}")
-        page_size = k_shape[1]
-        if page_size < 1:
+        if k_shape[1] < 1:
             raise ValueError(f"k must have a page size (shape[1]) >= 1 with block_table, got shape {tuple(k_shape)}")
-        capacity = table_shape[1] * page_size
-    else:
-        page_size, capacity = 1, k_shape[0]
     if seqused_q is not None:
         _int32_vector("seqused_q", seqused_q, batch)
     if seqused_k is not None:
@@ -325,7 +320,6 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     _on_device("q", q, ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                ("block_table", block_table), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
                ("alibi_slopes", alibi_slopes))
-    return batch, page_size, capacity
 
 
 def varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,

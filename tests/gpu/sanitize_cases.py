@@ -258,7 +258,9 @@ def test_sanitize_combine(num_splits, head_dim, out_dtype):
 
 
 # --- varlen: sequences of length 0 and 1, max_seqlen past every length, paged keys, backward ----
-from test_varlen import LENGTHS, check_sequences, check_sequence_grads, cu, ragged, run_varlen, varlen_grads  # noqa: E402
+from test_varlen import (  # noqa: E402
+    LENGTHS, check_sequence_grads, check_sequences, cu, gather_pages, ragged, run_varlen, varlen_grads,
+)
 
 
 @pytest.mark.parametrize("splits", [pytest.param(1, id="core-nosplit"), pytest.param(7, id="splits7")])
@@ -280,8 +282,7 @@ def test_sanitize_varlen_paged(page_size):
     table = torch.randperm(3 * max_pages, device="cuda").view(3, max_pages).to(torch.int32)
     out, lse = run_varlen(q, k_cache, v_cache, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k,
                           block_table=table, causal=True)
-    k = torch.cat([k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
-    v = torch.cat([v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
+    k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
 
 

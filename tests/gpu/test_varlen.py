@@ -69,6 +69,11 @@ def check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q=None, used_k
             assert (out[q0 + nq:q1] == 0).all() and torch.isneginf(lse[:, q0 + nq:q1]).all()
 
 
+def gather_pages(cache, table, lengths):
+    """The keys (or values) of each sequence of a paged cache, packed into (total, nheads_k, d)."""
+    return torch.cat([cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths)])
+
+
 def run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, **kwargs):
     poison_allocator()
     out, lse, probs = flashgen.flash_attn_varlen_func(
@@ -143,9 +148,7 @@ def test_varlen_paged_keys(page_size, mask):
     table = table.to(torch.int32)
     out, lse = run_varlen(q, k_cache, v_cache, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k,
                           block_table=table, **MASKS[mask])
-    # The same keys, gathered into one packed (total_k, nheads_k, d) tensor.
-    k = torch.cat([k_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
-    v = torch.cat([v_cache[table[b].long()].flatten(0, 1)[:n] for b, n in enumerate(lengths_k)])
+    k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
 
 
