@@ -14,12 +14,13 @@ import triton.testing
 
 import flashgen
 from flashgen.generator import cache, tiles
-from flashgen.runtime import launch
+from flashgen.runtime import backward, launch
 
+# (warps, block_m, d_slices, most Q/dO stages): bwd_tile gives each the most stages that fit.
 CANDIDATES = {
-    64: [(8, 64, 1), (4, 64, 1)],
-    128: [(8, 64, 1), (4, 64, 1)],
-    256: [(4, 64, 2)],
+    64: [(8, 64, 1, 2), (8, 64, 1, 1), (4, 64, 1, 2)],
+    128: [(8, 64, 1, 2), (8, 64, 1, 1), (4, 64, 1, 2)],
+    256: [(4, 64, 2, 2), (4, 64, 2, 1)],
 }
 
 
@@ -40,20 +41,23 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlen", type=int, default=4096)
     args = parser.parse_args()
-    table = tiles._BWD_SM80_LARGE
+    table, max_stages = tiles._BWD_SM80_LARGE, tiles.BWD_MAX_STAGES
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         original = table[head_dim]
-        for (warps, block_m, slices), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
+        for (warps, block_m, slices, stages), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
             table[head_dim] = tiles.BwdTile(warps, block_m, slices)
-            launch._loaded.clear()  # both memos are keyed by spec, which the tile is not part of
+            tiles.BWD_MAX_STAGES = stages
+            launch._loaded.clear()  # the memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
+            backward.plan_bwd.cache_clear()
             try:
                 tflops = measure(head_dim, causal, args.seqlen)
                 print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} slices {slices}: "
-                      f"{tflops:6.1f} TFLOP/s", flush=True)
+                      f"stages<={stages}: {tflops:6.1f} TFLOP/s", flush=True)
             except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
                 print(f"bwd d{head_dim} causal={int(causal)} warps {warps}: failed: {exc}", flush=True)
         table[head_dim] = original
+        tiles.BWD_MAX_STAGES = max_stages
 
 
 if __name__ == "__main__":

@@ -500,7 +500,7 @@ def _defaults(field: str) -> str:
 @_list_option("--peers", _choice(bench_settings.PEERS),
               f"Peers to run next to flashgen [default: {','.join(bench_settings.PEERS)}].")
 @_list_option("--dtypes", _choice(bench_settings.DTYPES), "prefill, decode: bf16, fp16." + _defaults("dtypes"))
-@_list_option("--modes", _choice(bench_settings.MODES), "prefill: fwd, fwd_bwd." + _defaults("modes"))
+@_list_option("--modes", _choice(bench_settings.MODES), "prefill: fwd, bwd (the backward alone), fwd_bwd." + _defaults("modes"))
 @_list_option("--head-dims", _positive_int, "prefill: head dims." + _defaults("head_dims"))
 @_list_option("--seqlens", _positive_int, "prefill: sequence lengths." + _defaults("seqlens"))
 @_list_option("--masks", _choice(bench_settings.MASKS), "prefill: none, causal." + _defaults("masks"))

@@ -7,7 +7,8 @@ extern "C" __global__ void __launch_bounds__(128, 1)
 flash_bwd_sm80_hdim256_fp16_local_softcap_sm80(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/256, /*kNWarps=*/4,
-        /*kBlockM=*/64, /*kDSlices=*/2, flashgen::Mask::Local,
+        /*kBlockM=*/64, /*kDSlices=*/2,
+        /*kStages=*/1, flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

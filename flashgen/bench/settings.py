@@ -12,7 +12,7 @@ import math
 
 SUITES = ("prefill", "decode", "compile")
 FLASHGEN = "flashgen"
-MODES = ("fwd", "fwd_bwd")
+MODES = ("fwd", "bwd", "fwd_bwd")  # bwd: the backward alone, after one untimed forward
 DTYPES = ("bf16", "fp16")
 MASKS = ("none", "causal")
 # Every implementation besides flashgen, in table order.  flash-attn and FlashInfer join when importable.

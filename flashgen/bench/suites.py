@@ -141,6 +141,16 @@ def _with_backward(forward_factory, dout: torch.Tensor):
     return factory
 
 
+def _backward_only(forward_factory, dout: torch.Tensor):
+    """A factory whose call runs only the backward (of one forward run when the factory is made)
+    and returns (dq, dk, dv)."""
+    def factory(x: PrefillInputs):
+        out = forward_factory(x)()
+        return lambda: torch.autograd.grad(out, (x.q, x.k, x.v), dout, retain_graph=True)
+
+    return factory
+
+
 def _sdpa_reference(x: PrefillInputs, dout: torch.Tensor | None):
     q, k, v = peers.bhsd(x.q, x.k, x.v)
     with torch.set_grad_enabled(dout is not None):
@@ -159,7 +169,7 @@ def prefill_row(config: dict, impls: list[Impl], timers: Timers, ceilings: dict 
     def randn(*shape):
         return torch.randn(shape, device=device, dtype=dtype, generator=generator)
 
-    backward = config["mode"] == "fwd_bwd"
+    backward = config["mode"] != "fwd"
     q, k, v = (randn(batch, seqlen, n, head_dim).requires_grad_(backward) for n in (nheads, nheads_k, nheads_k))
     x = PrefillInputs(q, k, v, config["causal"])
     dout = randn(batch, seqlen, nheads, head_dim) if backward else None
@@ -179,7 +189,8 @@ def prefill_row(config: dict, impls: list[Impl], timers: Timers, ceilings: dict 
     row = {"config": config, "flops": flops, "check": None, "impls": {}}
     for impl in impls:
         if impl.prefill is not None:
-            factory = _with_backward(impl.prefill, dout) if backward else impl.prefill
+            wrap = {"fwd": None, "bwd": _backward_only, "fwd_bwd": _with_backward}[config["mode"]]
+            factory = wrap(impl.prefill, dout) if wrap else impl.prefill
             row["impls"][impl.name] = _measure(impl, factory, x, row, reference, time_call)
     return row
 

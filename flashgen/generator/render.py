@@ -63,6 +63,7 @@ def render_instance(spec: KernelSpec) -> str:
             num_threads=tile.num_threads,
             block_m=tile.block_m,
             d_slices=tile.d_slices,
+            stages=tile.stages,
             mask_enum=spec.mask.capitalize(),
             softcap=_cpp_bool(spec.softcap),
             dropout=_cpp_bool(spec.dropout),

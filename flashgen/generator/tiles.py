@@ -132,6 +132,7 @@ class BwdTile:
     num_warps: int  # 16 keys per warp: the CTA owns 16 * num_warps keys
     block_m: int    # queries per step
     d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
+    stages: int = 1  # Q/dO/LSE/D buffers: with 2, step t + 1's rows load during all of step t
 
     @property
     def block_n(self) -> int:
@@ -142,24 +143,29 @@ class BwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V (block_n rows), Q, dO (block_m rows), padded; the dSᵀ tile; the LSE and D rows."""
-        rows = (2 * self.block_n + 2 * self.block_m) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        """K, V (block_n rows) and per stage Q, dO (block_m rows), padded; the dSᵀ tile; per stage
+        the LSE and D rows."""
+        rows = (2 * self.block_n + 2 * self.block_m * self.stages) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
         ds = self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES
-        return rows + ds + 2 * self.block_m * 4
+        return rows + ds + 2 * self.block_m * 4 * self.stages
 
 
 # (head_dim) -> backward tile. Eight warps own 128 keys: each Q/dO step and each dQ atomic then
 # serves twice the keys of a 64-key CTA. Above d128 the head dim is split in two for dK/dV/dQ.
+# bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target.
 _BWD_SM80_LARGE = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
                    192: BwdTile(4, 64, 2), 256: BwdTile(4, 64, 2)}
 _BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(4, 64, 1),
                    192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}
+BWD_MAX_STAGES = 2
 
 
 def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile:
     if family != "sm80":
         raise ValueError(f"no backward tile table for family {family!r}")
     table = _BWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _BWD_SM80_SMALL
-    tile = table[head_dim]
-    assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
-    return tile
+    for stages in range(BWD_MAX_STAGES, 0, -1):
+        tile = dataclasses.replace(table[head_dim], stages=stages)
+        if tile.smem_bytes(head_dim) <= smem_limit(arch):
+            return tile
+    raise AssertionError(f"no backward tile fits {arch} at head_dim {head_dim}")

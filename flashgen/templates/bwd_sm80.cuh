@@ -5,11 +5,11 @@
 // dim for dK/dV/dQ) and loops over the query heads of its group and the query blocks that see its
 // keys (the next step's Q, dO, LSE, D are fetched during this step's dQ product):
 //
-//   load Q(m), dO(m), LSE(m), D(m)
+//   load Q(m), dO(m), LSE(m), D(m)   (with two stages: issued a whole step ahead)
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (each warp: 16 keys x kBlockM queries)
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
 //   dV += Pᵀ·dO, dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers as mma A operands)
-//   dSᵀ -> shared memory; dQ(m) += dS·K, added to an fp32 buffer with atomics (in key-block order
+//   dSᵀ -> shared memory (before the dV/dK products, so its fp32 form dies early); dQ(m) += dS·K, added to an fp32 buffer with atomics (in key-block order
 //   under deterministic mode, through a per-row-block semaphore)
 //
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
@@ -22,8 +22,8 @@
 
 namespace flashgen {
 
-template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, Mask kMask_, bool kSoftcap_,
-          bool kDropout_>
+template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, int kStages_, Mask kMask_,
+          bool kSoftcap_, bool kDropout_>
 struct BwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -34,6 +34,7 @@ struct BwdTraits {
     static constexpr int kBlockM = kBlockM_;      // queries per step
     static constexpr int kDSlices = kDSlices_;    // dK/dV/dQ columns are split over CTAs
     static constexpr int kDSlice = kHeadDim / kDSlices;
+    static constexpr int kStages = kStages_;      // Q/dO/LSE/D buffers (BwdTile.stages)
     // dQ(step) = dS · K is split over the warps as kDQRowGroups x kDQColGroups tiles of 16 rows.
     static constexpr int kDQRowGroups = kBlockM / 16;
     static constexpr int kDQColGroups = kNWarps / kDQRowGroups;
@@ -49,56 +50,60 @@ struct BwdTraits {
     static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");
 };
 
+// B fragments are loaded this many (kk, n-pair) steps ahead of their MMAs: with two warps per
+// scheduler, one step's two MMAs are too short to hide an ldmatrix (the "short scoreboard"
+// stall that ncu showed dominating this kernel with a ring of 2).
+constexpr int kBRing = 4;
+
 // C[16 x kCols] += A(16 rows at a_addr, k = kK) · B where B's rows are the n index (non-transposed
-// ldmatrix, as Q·Kᵀ in the forward). Pipelined like the forward's gemm_qk.
+// ldmatrix, as Q·Kᵀ in the forward). A is loaded one k-step ahead, B kBRing - 1 steps ahead.
 template <typename Element, int kK, int kNTiles, int kStrideBytes>
 __device__ __forceinline__ void gemm_a_smem_bt(float (&c)[kNTiles][4], uint32_t a_addr, uint32_t b_addr, int lane) {
     constexpr int kKSteps = kK / 16;
     constexpr int kNPairs = kNTiles / 2;
+    constexpr int kSteps = kKSteps * kNPairs;
     uint32_t const a_base = a_addr + (lane % 16) * kStrideBytes + (lane / 16) * 16;
     uint32_t const b_base = b_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
-    uint32_t a[2][4], b[2][4];
+    auto b_at = [&](int t) { return b_base + (t % kNPairs) * 16 * kStrideBytes + (t / kNPairs) * 32; };
+    uint32_t a[2][4], b[kBRing][4];
     ldmatrix_x4(a[0], a_base);
-    ldmatrix_x4(b[0], b_base);
+#pragma unroll
+    for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4(b[t], b_at(t));
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
         if (kk + 1 < kKSteps) ldmatrix_x4(a[(kk + 1) % 2], a_base + (kk + 1) * 32);
 #pragma unroll
         for (int nj = 0; nj < kNPairs; ++nj) {
             int const t = kk * kNPairs + nj;
-            if (nj + 1 < kNPairs) {
-                ldmatrix_x4(b[(t + 1) % 2], b_base + (nj + 1) * 16 * kStrideBytes + kk * 32);
-            } else if (kk + 1 < kKSteps) {
-                ldmatrix_x4(b[(t + 1) % 2], b_base + (kk + 1) * 32);
-            }
-            mma_16816<Element>(c[2 * nj], a[kk % 2], b[t % 2][0], b[t % 2][1]);
-            mma_16816<Element>(c[2 * nj + 1], a[kk % 2], b[t % 2][2], b[t % 2][3]);
+            if (t + kBRing - 1 < kSteps) ldmatrix_x4(b[(t + kBRing - 1) % kBRing], b_at(t + kBRing - 1));
+            mma_16816<Element>(c[2 * nj], a[kk % 2], b[t % kBRing][0], b[t % kBRing][1]);
+            mma_16816<Element>(c[2 * nj + 1], a[kk % 2], b[t % kBRing][2], b[t % kBRing][3]);
         }
     }
 }
 
 // C[16 x kNTiles*8] += A · B with A from registers (kK/16 fragments) and B's rows the k index
-// (transposed ldmatrix, as P·V in the forward), B starting at b_addr (its column offset included).
+// (transposed ldmatrix, as P·V in the forward), B starting at b_addr (its column offset included)
+// and loaded kBRing - 1 steps ahead.
 template <typename Element, int kK, int kNTiles, int kStrideBytes>
 __device__ __forceinline__ void gemm_a_reg_b(float (&c)[kNTiles][4], const uint32_t (&a)[kK / 16][4],
                                              uint32_t b_addr, int lane) {
     constexpr int kKSteps = kK / 16;
     constexpr int kNPairs = kNTiles / 2;
+    constexpr int kSteps = kKSteps * kNPairs;
     uint32_t const b_base = b_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
-    uint32_t b[2][4];
-    ldmatrix_x4_trans(b[0], b_base);
+    auto b_at = [&](int t) { return b_base + (t / kNPairs) * 16 * kStrideBytes + (t % kNPairs) * 32; };
+    uint32_t b[kBRing][4];
+#pragma unroll
+    for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4_trans(b[t], b_at(t));
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
         for (int nj = 0; nj < kNPairs; ++nj) {
             int const t = kk * kNPairs + nj;
-            if (nj + 1 < kNPairs) {
-                ldmatrix_x4_trans(b[(t + 1) % 2], b_base + kk * 16 * kStrideBytes + (nj + 1) * 32);
-            } else if (kk + 1 < kKSteps) {
-                ldmatrix_x4_trans(b[(t + 1) % 2], b_base + (kk + 1) * 16 * kStrideBytes);
-            }
-            mma_16816<Element>(c[2 * nj], a[kk], b[t % 2][0], b[t % 2][1]);
-            mma_16816<Element>(c[2 * nj + 1], a[kk], b[t % 2][2], b[t % 2][3]);
+            if (t + kBRing - 1 < kSteps) ldmatrix_x4_trans(b[(t + kBRing - 1) % kBRing], b_at(t + kBRing - 1));
+            mma_16816<Element>(c[2 * nj], a[kk], b[t % kBRing][0], b[t % kBRing][1]);
+            mma_16816<Element>(c[2 * nj + 1], a[kk], b[t % kBRing][2], b[t % kBRing][3]);
         }
     }
 }
@@ -115,6 +120,70 @@ __device__ __forceinline__ void to_a_fragments(uint32_t (&a)[kTiles / 2][4], con
     }
 }
 
+// What softmax_backward needs of the step besides S and dP.
+struct SoftmaxBwdArgs {
+    const float* lse;  // the step's LSE and D rows (shared memory)
+    const float* dsum;
+    int key;           // this thread's first key row (the second is key + 8)
+    int query;         // this thread's first query column (q0 + 2 * (lane % 4); tile mi adds 8 * mi)
+    int diag;          // seqlen_k - seqlen_q
+    int seqlen_k;
+    float slope;       // ALiBi slope (already scaled), if kAlibi
+    uint32_t keep_bits;  // dropout: bit (mi * 2 + column) * 2 + half
+};
+
+// Sᵀ -> Pᵀ (what dV takes) and dPᵀ -> dSᵀ, in place, for one warp's 16 keys x kBlockM queries.
+template <typename Tr, bool kNeedMask, bool kAlibi>
+__device__ __forceinline__ void softmax_backward(float (&st)[Tr::kMN][4], float (&dpt)[Tr::kMN][4],
+                                                 const SoftmaxBwdArgs& a, const BwdParams& params) {
+    constexpr bool kMasked = Tr::kMask != Mask::None;
+    int const lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMN; ++mi) {
+        // This thread's two query columns of the tile: one 8-byte load each for LSE and D.
+        // A row that saw no key has lse -inf and probabilities 0: +inf makes exp2 give 0.
+        float2 const lse2 = *reinterpret_cast<const float2*>(a.lse + mi * 8 + 2 * (lane % 4));
+        float2 const dsum2 = *reinterpret_cast<const float2*>(a.dsum + mi * 8 + 2 * (lane % 4));
+        float const lse_log2[2] = {lse2.x == -kInfinity ? kInfinity : lse2.x * 1.4426950408889634f,
+                                   lse2.y == -kInfinity ? kInfinity : lse2.y * 1.4426950408889634f};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int const key = a.key + 8 * (e / 2);
+            int const query = a.query + mi * 8 + (e % 2);
+            float const dsum = e % 2 ? dsum2.y : dsum2.x;
+            float s = st[mi][e];
+            float dtanh = 1.f;
+            if constexpr (Tr::kSoftcap) {
+                float const t_ = tanh_accurate(s * params.softcap_scale);
+                s = params.softcap * t_;
+                dtanh = 1.f - t_ * t_;
+            }
+            if constexpr (kAlibi) {
+                int const rel = query + a.diag - key;
+                s -= a.slope * float(rel < 0 ? -rel : rel);
+            }
+            float p = exp2_approx(s * params.scale_log2 - lse_log2[e % 2]);
+            if constexpr (kNeedMask) {
+                bool masked = key >= a.seqlen_k;
+                if constexpr (kMasked) masked |= key > query + a.diag + params.window_right;
+                if constexpr (Tr::kMask == Mask::Local) masked |= key < query + a.diag - params.window_left;
+                p = masked ? 0.f : p;
+            }
+            // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
+            // the same way before the softmax's backward.
+            if constexpr (Tr::kDropout) {
+                bool const kept = (a.keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1u;
+                float const rp = params.rp_dropout;
+                st[mi][e] = kept ? p * rp : 0.f;
+                dpt[mi][e] = p * ((kept ? dpt[mi][e] * rp : 0.f) - dsum) * dtanh;  // dSᵀ in raw-score units / scale
+            } else {
+                st[mi][e] = p;
+                dpt[mi][e] = p * (dpt[mi][e] - dsum) * dtanh;
+            }
+        }
+    }
+}
+
 template <typename Tr>
 __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     using T = typename Tr::T;
@@ -126,13 +195,14 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     using NCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr int kStages = Tr::kStages;
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + kBlockN * kStride;
-    T* sQ = sV + kBlockN * kStride;
-    T* sdO = sQ + kBlockM * kStride;
-    T* sdS = sdO + kBlockM * kStride;  // dSᵀ: [key][query]
-    float* sLSE = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDSStride);
-    float* sD = sLSE + kBlockM;
+    T* sQ0 = sV + kBlockN * kStride;        // stage s: sQ0 + s * kBlockM * kStride
+    T* sdO0 = sQ0 + kStages * kBlockM * kStride;
+    T* sdS = sdO0 + kStages * kBlockM * kStride;  // dSᵀ: [key][query]
+    float* sLSE0 = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDSStride);  // stage s: + s * kBlockM
+    float* sD0 = sLSE0 + kStages * kBlockM;
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // blockIdx.x enumerates (key block, head-dim slice), slices fastest: the grid's y holds only
@@ -203,7 +273,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const key_row[2] = {key0 + warp * 16 + lane / 4, key0 + warp * 16 + lane / 4 + 8};
     uint32_t const sK_warp = smem_u32(sK + warp * 16 * kStride);
     uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
-    uint32_t const sQ_addr = smem_u32(sQ), sdO_addr = smem_u32(sdO);
+    constexpr uint32_t kRowStageBytes = kBlockM * kStrideBytes;
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
@@ -212,11 +282,22 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const dq_row0 = (warp % Tr::kDQRowGroups) * 16;
     int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
 
-    // Steps enumerate (query head of the group, query block); the Q, dO, LSE and D rows of step
-    // t + 1 are fetched while step t finishes (its dQ product and atomics).
+    // Steps enumerate (query head of the group, query block). Step t's Q, dO, LSE and D rows go
+    // to stage t % kStages, fetched kStages - 1 steps ahead plus the dQ tail of the step before:
+    // one commit group per step (empty past the last), so waiting for all but the newest
+    // kStages - 1 groups means step t's rows (and K, V) have landed.
     int const m_count = max(m_block_max - m_block_min, 0);
     int const steps = qhpk * m_count;
     auto issue_step = [&](int t) {
+        if (t >= steps) {
+            cp_async_commit();
+            return;
+        }
+        int const stage = t % kStages;
+        T* sQ = sQ0 + stage * kBlockM * kStride;
+        T* sdO = sdO0 + stage * kBlockM * kStride;
+        float* sLSE = sLSE0 + stage * kBlockM;
+        float* sD = sD0 + stage * kBlockM;
         int const bidh = bidh_kv * qhpk + t / m_count;
         int const q0 = (m_block_min + t % m_count) * kBlockM;
         const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
@@ -239,15 +320,21 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         }
         cp_async_commit();
     };
-    if (steps > 0) issue_step(0);
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) issue_step(t);
 
     for (int t = 0; t < steps; ++t) {
         int const bidh = bidh_kv * qhpk + t / m_count;
         int const m_block = m_block_min + t % m_count;
         int const q0 = m_block * kBlockM;
+        int const stage = t % kStages;
+        uint32_t const sQ_addr = smem_u32(sQ0) + stage * kRowStageBytes;
+        uint32_t const sdO_addr = smem_u32(sdO0) + stage * kRowStageBytes;
+        const float* sLSE = sLSE0 + stage * kBlockM;
+        const float* sD = sD0 + stage * kBlockM;
         float const slope = slopes != nullptr
             ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
-        cp_async_wait<0>();
+        cp_async_wait<kStages - 1>();
         __syncthreads();  // Q, dO (and K, V) landed; LSE, D written; the last step's dS reads done
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
@@ -281,64 +368,35 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
             q0 + diag + params.window_right < key0 + kBlockN - 1 ||
             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0)));
-#pragma unroll
-        for (int mi = 0; mi < Tr::kMN; ++mi) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int const key = key_row[e / 2];
-                int const qcol = mi * 8 + 2 * (lane % 4) + (e % 2);
-                int const query = q0 + qcol;
-                float s = st[mi][e];
-                float dtanh = 1.f;
-                if constexpr (Tr::kSoftcap) {
-                    float const t_ = tanh_accurate(s * params.softcap_scale);
-                    s = params.softcap * t_;
-                    dtanh = 1.f - t_ * t_;
-                }
-                if (slopes != nullptr) {
-                    int const rel = query + diag - key;
-                    s -= slope * float(rel < 0 ? -rel : rel);
-                }
-                bool masked = false;
-                if (need_mask) {
-                    masked = key >= seqlen_k;
-                    if constexpr (kMasked) masked |= key > query + diag + params.window_right;
-                    if constexpr (Tr::kMask == Mask::Local) masked |= key < query + diag - params.window_left;
-                }
-                // A row that saw no key has lse -inf and probabilities 0 (not exp(+inf)).
-                float const lse = sLSE[qcol];
-                float const p = masked || lse == -kInfinity
-                    ? 0.f : exp2_approx(s * params.scale_log2 - lse * 1.4426950408889634f);
-                // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
-                // the same way before the softmax's backward.
-                bool const kept = (keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1u;
-                if constexpr (Tr::kDropout) {
-                    float const rp = params.rp_dropout;
-                    st[mi][e] = kept ? p * rp : 0.f;
-                    dpt[mi][e] = p * ((kept ? dpt[mi][e] * rp : 0.f) - sD[qcol]) * dtanh;  // dSᵀ in raw-score units / scale
-                } else {
-                    st[mi][e] = p;
-                    dpt[mi][e] = p * (dpt[mi][e] - sD[qcol]) * dtanh;
-                }
-            }
+        // P and dS from S and dP, instantiated per (mask needed, ALiBi): a block without either
+        // issues none of their instructions (predicated-off code still takes issue slots).
+        auto const ctx = SoftmaxBwdArgs{sLSE, sD, key_row[0], q0 + 2 * (lane % 4), diag, seqlen_k, slope, keep_bits};
+        if (need_mask) {
+            if (slopes != nullptr) softmax_backward<Tr, true, true>(st, dpt, ctx, params);
+            else softmax_backward<Tr, true, false>(st, dpt, ctx, params);
+        } else {
+            if (slopes != nullptr) softmax_backward<Tr, false, true>(st, dpt, ctx, params);
+            else softmax_backward<Tr, false, false>(st, dpt, ctx, params);
         }
 
         uint32_t pt[Tr::kMN / 2][4], dst[Tr::kMN / 2][4];
         to_a_fragments<Element, Tr::kMN>(pt, st);
         to_a_fragments<Element, Tr::kMN>(dst, dpt);
-        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
-        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
+        // dSᵀ to shared memory from its packed fragments: fragment kk holds n8 tiles 2kk (regs 0,
+        // 1) and 2kk + 1 (regs 2, 3), rows lane / 4 (even regs) and + 8 (odd regs).
 #pragma unroll
-        for (int mi = 0; mi < Tr::kMN; ++mi) {
+        for (int kk = 0; kk < Tr::kMN / 2; ++kk) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int const r = warp * 16 + lane / 4 + half * 8;
-                *reinterpret_cast<uint32_t*>(sdS + r * Tr::kDSStride + mi * 8 + 2 * (lane % 4)) =
-                    Element::pack2(dpt[mi][2 * half], dpt[mi][2 * half + 1]);
+            for (int r = 0; r < 4; ++r) {
+                int const row = warp * 16 + lane / 4 + (r % 2) * 8;
+                int const col = (2 * kk + r / 2) * 8 + 2 * (lane % 4);
+                *reinterpret_cast<uint32_t*>(sdS + row * Tr::kDSStride + col) = dst[kk][r];
             }
         }
-        __syncthreads();  // every warp is done with sQ, sdO, sLSE, sD; all of dSᵀ is written
-        if (t + 1 < steps) issue_step(t + 1);
+        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
+        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
+        __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D; all of dSᵀ is written
+        issue_step(t + kStages);
 
         // dQ tile of this warp = dS (its 16 queries x all keys) · K (all keys x its columns).
         float acc_dq[Tr::kDQCols / 8][4];
@@ -372,6 +430,30 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
             }
             __syncthreads();
         }
+#if __CUDA_ARCH__ >= 900
+        // One 16-byte vector reduction per n8 tile and lane: lanes 2i and 2i + 1 of a quad swap
+        // halves so that the even lane holds 4 consecutive columns of row lane / 4 and the odd
+        // lane the same 4 columns of row lane / 4 + 8 (columns 4 * ((lane % 4) / 2) of the tile).
+        // head_dim is a multiple of 8 and dq_accum rows are head_dim floats: 16-byte aligned.
+        {
+            bool const odd = lane % 2;
+            int const query = q0 + dq_row0 + lane / 4 + (odd ? 8 : 0);
+            float* dq_row = dq_accum + (row_stats + query) * head_dim;
+#pragma unroll
+            for (int di = 0; di < Tr::kDQCols / 8; ++di) {
+                float const send0 = odd ? acc_dq[di][0] : acc_dq[di][2];
+                float const send1 = odd ? acc_dq[di][1] : acc_dq[di][3];
+                float const got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
+                float const got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+                int const col = dq_col0 + di * 8 + 4 * ((lane % 4) / 2);
+                if (query < seqlen_q && col < head_dim) {
+                    float4 const v = odd ? make_float4(got0, got1, acc_dq[di][2], acc_dq[di][3])
+                                         : make_float4(acc_dq[di][0], acc_dq[di][1], got0, got1);
+                    red_add_v4(dq_row + col, v);
+                }
+            }
+        }
+#else
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             int const query = q0 + dq_row0 + lane / 4 + half * 8;
@@ -387,6 +469,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                 }
             }
         }
+#endif
         if (semaphores != nullptr) {
             __threadfence();
             __syncthreads();

@@ -78,6 +78,14 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+#if __CUDA_ARCH__ >= 900
+// *addr += v, four floats in one 16-byte reduction (addr 16-byte aligned); sm_90 and newer.
+__device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(__cvta_generic_to_global(addr)),
+                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // ldmatrix: four 8x8 b16 matrices; lane l supplies the address of row (l % 8) of matrix (l / 8).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
