@@ -18,7 +18,7 @@ from flashgen.runtime import backward, launch
 
 # (warps, block_m, d_slices, most Q/dO stages): bwd_tile gives each the most stages that fit.
 CANDIDATES = {
-    64: [(8, 64, 1, 2), (8, 64, 1, 1), (4, 64, 1, 2)],
+    64: [(8, 128, 1, 2), (8, 64, 1, 2), (8, 128, 1, 1)],
     128: [(8, 64, 1, 2), (8, 64, 1, 1), (4, 64, 1, 2)],
     256: [(4, 64, 2, 2), (4, 64, 2, 1)],
 }

@@ -151,9 +151,11 @@ class BwdTile:
 
 
 # (head_dim) -> backward tile. Eight warps own 128 keys: each Q/dO step and each dQ atomic then
-# serves twice the keys of a 64-key CTA. Above d128 the head dim is split in two for dK/dV/dQ.
-# bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target.
-_BWD_SM80_LARGE = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
+# serves twice the keys of a 64-key CTA. At d64 the registers left over hold 128-query steps
+# (218 vs 196 TFLOP/s on the H200); above d128 the head dim is split in two for dK/dV/dQ.
+# bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target (one or two
+# measured the same on the H200: benchmarks/tune_bwd_tiles.py).
+_BWD_SM80_LARGE = {64: BwdTile(8, 128, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
                    192: BwdTile(4, 64, 2), 256: BwdTile(4, 64, 2)}
 _BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(4, 64, 1),
                    192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}

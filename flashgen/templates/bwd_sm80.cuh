@@ -129,7 +129,7 @@ struct SoftmaxBwdArgs {
     int diag;          // seqlen_k - seqlen_q
     int seqlen_k;
     float slope;       // ALiBi slope (already scaled), if kAlibi
-    uint32_t keep_bits;  // dropout: bit (mi * 2 + column) * 2 + half
+    uint64_t keep_bits;  // dropout: bit (mi * 2 + column) * 2 + half (4 per n8 tile, kMN <= 16)
 };
 
 // Sᵀ -> Pᵀ (what dV takes) and dPᵀ -> dSᵀ, in place, for one warp's 16 keys x kBlockM queries.
@@ -172,7 +172,7 @@ __device__ __forceinline__ void softmax_backward(float (&st)[Tr::kMN][4], float 
             // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
             // the same way before the softmax's backward.
             if constexpr (Tr::kDropout) {
-                bool const kept = (a.keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1u;
+                bool const kept = (a.keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1ull;
                 float const rp = params.rp_dropout;
                 st[mi][e] = kept ? p * rp : 0.f;
                 dpt[mi][e] = p * ((kept ? dpt[mi][e] * rp : 0.f) - dsum) * dtanh;  // dSᵀ in raw-score units / scale
@@ -350,8 +350,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         // is very negative, and inf times a zero K row is NaN.
         // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of the warp's
         // 16, one 16-key chunk) and query columns; bit (mi * 2 + column) * 2 + half.
-        uint32_t keep_bits = 0xffffffffu;
-        static_assert(Tr::kMN <= 8, "keep bits: 4 per n8 tile of queries fit 32 bits");
+        uint64_t keep_bits = ~0ull;
+        static_assert(Tr::kMN <= 16, "keep bits: 4 per n8 tile of queries fit 64 bits");
         if constexpr (Tr::kDropout) {
             keep_bits = 0;
             uint32_t const bh = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh);
@@ -362,7 +362,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                     uint4 const bytes = dropout.chunk(bh, q0 + mi * 8 + 2 * (lane % 4) + c, (key0 + warp * 16) / 16);
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        keep_bits |= uint32_t(dropout.keep(bytes, lane / 4 + 8 * half)) << ((mi * 2 + c) * 2 + half);
+                        keep_bits |= uint64_t(dropout.keep(bytes, lane / 4 + 8 * half)) << ((mi * 2 + c) * 2 + half);
                 }
         }
         bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
