@@ -9,8 +9,9 @@
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (each warp: 16 keys x kBlockM queries)
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
 //   dV += Pᵀ·dO, dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers as mma A operands)
-//   dSᵀ -> shared memory (before the dV/dK products, so its fp32 form dies early); dQ(m) += dS·K, added to an fp32 buffer with atomics (in key-block order
-//   under deterministic mode, through a per-row-block semaphore)
+//   dSᵀ -> shared memory (before the dV/dK products, so its fp32 form dies early)
+//   dQ(m) += dS·K, added to an fp32 buffer with atomics (16-byte vector reductions on sm_90; in
+//   key-block order under deterministic mode, through a per-row-block semaphore)
 //
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
 // any register transpose; only dS crosses shared memory. Padded query rows are zero (Q, dO, D),
@@ -164,6 +165,8 @@ __device__ __forceinline__ void softmax_backward(float (&st)[Tr::kMN][4], float 
             }
             float p = exp2_approx(s * params.scale_log2 - lse_log2[e % 2]);
             if constexpr (kNeedMask) {
+                // Keys past seqlen_k are zero rows, masked anyway: exp(0 - lse) overflows when lse
+                // is very negative, and inf times a zero K row is NaN.
                 bool masked = key >= a.seqlen_k;
                 if constexpr (kMasked) masked |= key > query + a.diag + params.window_right;
                 if constexpr (Tr::kMask == Mask::Local) masked |= key < query + a.diag - params.window_left;
@@ -346,8 +349,6 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
         gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
 
-        // Keys past seqlen_k are zero rows; masked anyway, since exp(0 - lse) overflows when lse
-        // is very negative, and inf times a zero K row is NaN.
         // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of the warp's
         // 16, one 16-key chunk) and query columns; bit (mi * 2 + column) * 2 + half.
         uint64_t keep_bits = ~0ull;
