@@ -90,8 +90,8 @@ def attention_ref(
     due to operation order alone.
 
     dropout_mask (batch, nheads, seqlen_q, seqlen_k) bool: probabilities where it is False are
-    dropped and the kept ones scaled by 1 / (1 - dropout_p) (after the lse, which dropout leaves
-    alone), as flash_attn's dropout does.
+    dropped and the kept ones scaled as the kernels scale them (256 / threshold, see
+    flashgen.runtime.interface.dropout_threshold_and_scale; after the lse, which dropout leaves alone).
     """
     _check_args(q, k, v, window_size, softcap, alibi_slopes)
     if upcast:
@@ -135,7 +135,9 @@ def attention_ref(
     # softmax of an all -inf row is NaN; FlashAttention defines that row's output as 0.
     probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
     if dropout_mask is not None:
-        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+        from .runtime.interface import dropout_threshold_and_scale
+
+        probs = probs.masked_fill(~dropout_mask, 0.0) * dropout_threshold_and_scale(dropout_p)[1]
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     return out, lse
 
@@ -262,6 +264,7 @@ def attention_flops(
 
 _MASK32 = 0xFFFFFFFF
 _DROPOUT_DOMAIN = 0x666C6773  # kDropoutDomain in templates/common.cuh
+_PHILOX_W0 = 0x9E3779B9  # mixes the offset's high word into the key, as Dropout::from does
 
 
 def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,10 +295,10 @@ def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nhe
     """The dropout pattern of a flashgen call, (batch, nheads, seqlen_q, seqlen_k) bool (True: kept),
     recomputed from its rng_state ([seed, offset], int64) as the kernels compute it (Dropout in
     templates/common.cuh). Query and key positions are those within each sequence."""
-    from .runtime.interface import DropoutState
+    from .runtime.interface import dropout_threshold_and_scale
 
     seed, offset = (int(x) for x in rng_state.tolist())
-    threshold = DropoutState(float(dropout_p), seed, offset).params()["dropout_threshold"]
+    threshold = dropout_threshold_and_scale(float(dropout_p))[0]
     device = device if device is not None else "cpu"
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
@@ -303,7 +306,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nhe
     chunk = torch.arange(-(-seqlen_k // 16), device=device).view(1, 1, 1, -1)
     words = philox4x32_10(
         (chunk, i, (b * nheads + h) & _MASK32, offset & _MASK32),
-        (seed & _MASK32, ((seed >> 32) & _MASK32) ^ _DROPOUT_DOMAIN),
+        ((seed & _MASK32) ^ (((offset >> 32) * _PHILOX_W0) & _MASK32), ((seed >> 32) & _MASK32) ^ _DROPOUT_DOMAIN),
     )
     shape = torch.broadcast_shapes(b.shape, h.shape, i.shape, chunk.shape)
     words = torch.stack([w.expand(shape) for w in words], dim=-1)           # (..., chunks, 4)

@@ -59,7 +59,7 @@ struct FwdParams {
     float softcap;  // 0 when off
     float alibi_scale;  // ALiBi slope multiplier into score units
     unsigned int dropout_threshold;  // keep a probability iff its random byte < this; 256: no dropout
-    float rp_dropout;  // 1 / (1 - dropout_p)
+    float rp_dropout;  // scale of kept probabilities: 256 / dropout_threshold
 };
 static_assert(sizeof(FwdParams) == 368, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305

@@ -45,6 +45,8 @@ def test_dropout_mask_depends_on_seed_offset_and_position():
     assert not torch.equal(base, dropout_keep_mask(torch.tensor([8, 0]), 0.5, 1, 2, 64, 64))
     assert not torch.equal(base, dropout_keep_mask(torch.tensor([7, 4]), 0.5, 1, 2, 64, 64))
     assert not torch.equal(base[0, 0], base[0, 1])  # heads draw different masks
+    # The offset's high word counts too: offsets 2**32 apart draw different masks.
+    assert not torch.equal(base, dropout_keep_mask(torch.tensor([7, 2**32]), 0.5, 1, 2, 64, 64))
     # Negative seeds (uint64 seeds past 2**63, stored signed) work too.
     assert dropout_keep_mask(torch.tensor([-5, 0]), 0.5, 1, 1, 8, 8).shape == (1, 1, 8, 8)
 
@@ -53,4 +55,5 @@ def test_dropout_mask_depends_on_seed_offset_and_position():
 def test_dropout_threshold(p, threshold):
     params = DropoutState(p, 1, 0).params()
     assert params["dropout_threshold"] == threshold
-    assert params["rp_dropout"] == pytest.approx(1 / (1 - p))
+    # Kept with probability threshold / 256 and scaled by its inverse: the expectation is unbiased.
+    assert params["rp_dropout"] == (pytest.approx(256 / threshold) if threshold else 0.0)

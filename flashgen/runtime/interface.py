@@ -28,6 +28,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 _LOG2E = 1.4426950408889634
 
 
+def dropout_threshold_and_scale(dropout_p: float) -> tuple[int, float]:
+    """(threshold, scale) for dropout_p: a probability is kept iff its random byte is below the
+    threshold, round((1 - p) * 256), so with probability threshold / 256, and kept ones are scaled
+    by 256 / threshold. The expected output is then exactly the undropped one; 1 / (1 - p) would be
+    off by up to 0.2% (p = 0.1 keeps 230 / 256 = 0.8984)."""
+    if dropout_p <= 0.0:
+        return 256, 1.0
+    threshold = min(256, max(0, round((1.0 - dropout_p) * 256)))
+    return threshold, (256.0 / threshold if threshold else 0.0)
+
+
 class DropoutState(typing.NamedTuple):
     """A call's dropout: probability and the Philox (seed, offset) it draws with."""
 
@@ -36,10 +47,9 @@ class DropoutState(typing.NamedTuple):
     offset: int
 
     def params(self) -> dict:
-        keep = 1.0 - self.p
-        return dict(philox_seed=self.seed, philox_offset=self.offset,
-                    dropout_threshold=min(256, max(0, round(keep * 256))) if self.p > 0 else 256,
-                    rp_dropout=1.0 / keep)
+        threshold, scale = dropout_threshold_and_scale(self.p)
+        return dict(philox_seed=self.seed, philox_offset=self.offset, dropout_threshold=threshold,
+                    rp_dropout=scale)
 
     def rng_state(self) -> torch.Tensor:
         return torch.tensor([self.seed, self.offset], dtype=torch.int64)

@@ -85,7 +85,7 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("softcap", "f32", "0 when off"),
     Field("alibi_scale", "f32", "ALiBi slope multiplier into score units"),
     Field("dropout_threshold", "u32", "keep a probability iff its random byte < this; 256: no dropout"),
-    Field("rp_dropout", "f32", "1 / (1 - dropout_p)"),
+    Field("rp_dropout", "f32", "scale of kept probabilities: 256 / dropout_threshold"),
 )
 
 

@@ -163,8 +163,9 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 // Dropout: Philox4x32-10 (Salmon et al., SC'11), a counter-based RNG, so the backward regenerates
 // the forward's mask from (seed, offset) and each element's coordinates alone, in any layout.
 // Element (query i, key j) of (batch b, query head h) keeps its probability iff byte j % 16 of
-// philox(counter = {j / 16, i, b * nheads + h, offset}, key = {seed_lo, seed_hi ^ kDropoutDomain})
-// is below keep_threshold = round((1 - p) * 256). The key's domain constant keeps these streams
+// philox(counter = {j / 16, i, b * nheads + h, offset_lo}, key = {seed_lo ^ offset_hi * 0x9E3779B9,
+// seed_hi ^ kDropoutDomain}) is below keep_threshold = round((1 - p) * 256); kept ones are scaled
+// by 256 / keep_threshold (rp_dropout), so the expected output is the undropped one. The key's domain constant keeps these streams
 // apart from those PyTorch draws from the same generator. flashgen.testing.dropout_keep_mask is
 // the same function in PyTorch, for the tests.
 constexpr uint32_t kDropoutDomain = 0x666c6773u;  // "flgs"
@@ -182,18 +183,21 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1
 }
 
 struct Dropout {
-    uint32_t seed_lo, seed_hi, offset, threshold;  // threshold 256: keep everything
+    uint32_t key0, key1, offset, threshold;  // threshold 256: keep everything
 
+    // Key: the seed's two words, the offset's high word mixed into the first (so offsets past
+    // 2**32 draw new masks), the second xored with kDropoutDomain.
     template <typename Params>
     __device__ __forceinline__ static Dropout from(const Params& p) {
-        return {uint32_t(p.philox_seed), uint32_t(uint64_t(p.philox_seed) >> 32), uint32_t(p.philox_offset),
+        uint32_t const offset_hi = uint32_t(uint64_t(p.philox_offset) >> 32);
+        return {uint32_t(p.philox_seed) ^ (offset_hi * 0x9E3779B9u),
+                uint32_t(uint64_t(p.philox_seed) >> 32) ^ kDropoutDomain, uint32_t(p.philox_offset),
                 p.dropout_threshold};
     }
     // The 16 random bytes of (head bh = b * nheads + h, query, 16-key chunk), as 4 words (byte n
     // of word w is key 4w + n of the chunk).
     __device__ __forceinline__ uint4 chunk(uint32_t bh, int query, int key_chunk) const {
-        return philox4x32_10(make_uint4(uint32_t(key_chunk), uint32_t(query), bh, offset), seed_lo,
-                             seed_hi ^ kDropoutDomain);
+        return philox4x32_10(make_uint4(uint32_t(key_chunk), uint32_t(query), bh, offset), key0, key1);
     }
     __device__ __forceinline__ bool keep(uint4 bytes, int key_in_chunk) const {
         uint32_t const word = key_in_chunk < 8 ? (key_in_chunk < 4 ? bytes.x : bytes.y)

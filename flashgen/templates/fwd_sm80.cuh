@@ -291,7 +291,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     int leftpad, used;
     if (cu_seqlens_k != nullptr) {
         int const start = cu_seqlens_k[bidb];
-        int const length = seqused != nullptr ? seqused[bidb] : cu_seqlens_k[bidb + 1] - start;
+        // seqused_k never reaches past the sequence (as in the backward).
+        int length = cu_seqlens_k[bidb + 1] - start;
+        if (seqused != nullptr) length = min(seqused[bidb], length);
         leftpad = Tr::kPaged ? 0 : min(max(start, 0), params.seqlen_k);
         used = leftpad + min(max(length, 0), params.seqlen_k - leftpad);
     } else {

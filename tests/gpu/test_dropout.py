@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.runtime.interface import dropout_threshold_and_scale
 from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref, dropout_keep_mask
 from test_bwd import grad_eps
 from test_fwd import DEVICE, make_qkv, poison_allocator
@@ -71,14 +72,34 @@ def test_dropout_fwd_bwd(shape, mask, p):
 
 def test_dropout_kept_fraction_large():
     """Kept fraction from the kernel's own output: with v = 1 and q = 0 every probability is
-    1 / seqlen_k, so out * (1 - p) is the kept fraction of each row."""
+    1 / seqlen_k, so out / scale is the kept fraction of each row, and out itself averages 1
+    (dropout leaves the expected output unchanged)."""
     batch, seqlen, nheads, d, p = 2, 2048, 8, 64, 0.3
     q = torch.zeros(batch, 1, nheads, d, dtype=torch.float16, device=DEVICE)
     k = torch.randn(batch, seqlen, nheads, d, dtype=torch.float16, device=DEVICE)
     v = torch.ones(batch, seqlen, nheads, d, dtype=torch.float16, device=DEVICE)
     out = flashgen.flash_attn_func(q, k, v, dropout_p=p)
-    kept = (out[..., 0].float() * (1 - p)).mean().item()
+    scale = dropout_threshold_and_scale(p)[1]
+    kept = (out[..., 0].float() / scale).mean().item()
     assert abs(kept - (1 - p)) < 0.01
+    assert abs(out[..., 0].float().mean().item() - 1.0) < 0.02
+
+
+def test_dropout_offset_past_2_32():
+    """A generator offset past 2**32: the kernels use its high word (the mask differs from the
+    one of the same low word) and still match the reference mask."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.set_offset(2**32 + 8)
+    q, k, v = make_qkv(2, 113, 257, 4, 2, 64, dtype=torch.bfloat16)
+    rng_state = next_rng_state()
+    out, lse, _ = flashgen.flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    assert int(rng_state[1]) >= 2**32
+    keep = mask_for(rng_state, 0.5, q, k)
+    out_ref, _ = attention_ref(q, k, v, dropout_mask=keep, dropout_p=0.5, upcast=True)
+    out_pt, _ = attention_ref(q, k, v, dropout_mask=keep, dropout_p=0.5, upcast=False)
+    assert_close_fa_rule(out, out_ref, out_pt, k=2.0)
+    low_word_only = mask_for(torch.tensor([int(rng_state[0]), int(rng_state[1]) % 2**32]), 0.5, q, k)
+    assert not torch.equal(keep, low_word_only)
 
 
 def test_dropout_reproducible_with_manual_seed():

@@ -284,3 +284,20 @@ def test_varlen_bwd_seqused():
         for name, g, (a, z), g_ref, g_pt in zip(("dq", "dk", "dv"), (dq, dk, dv), ((q0, q0 + nq), (k0, k0 + nk),
                                                 (k0, k0 + nk)), refs, pts):
             assert_close_fa_rule(g[None, a:z], g_ref, g_pt, k=3.0, eps=grad_eps(g_ref), name=f"{name} of sequence {b}")
+
+
+def test_varlen_seqused_k_past_length_is_clamped():
+    """seqused_k beyond a sequence's cu_seqlens_k length counts as that length, in the forward and
+    the backward alike: no key of the next sequence is read, and the gradients match the output."""
+    lengths_q, lengths_k = [50, 7, 30], [80, 7, 5]
+    used_k = [200, 9, 5]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, 64, torch.bfloat16)
+    seqused_k = torch.tensor(used_k, dtype=torch.int32, device=DEVICE)
+    out, lse, _ = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                  seqused_k=seqused_k, return_attn_probs=True)
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k)
+    dout = torch.randn_like(q)
+    grads = varlen_grads(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dout, seqused_k=seqused_k)
+    expected = varlen_grads(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dout)
+    for name, g, g_expected in zip(("dq", "dk", "dv"), grads, expected):
+        torch.testing.assert_close(g, g_expected, atol=0, rtol=0, msg=f"{name} with seqused_k past the lengths")
