@@ -189,6 +189,26 @@ def test_fwd_bwd_skips_flashgen_with_its_reason_and_times_the_peers():
     assert report.failures(canned_results(prefill=[row])) == []  # expected until the backward lands
 
 
+def test_bwd_mode_times_the_backward_alone_and_checks_the_gradients():
+    forwards = []
+
+    def prefill(x):
+        def call():
+            forwards.append(1)
+            q, k, v = peers.bhsd(x.q, x.k, x.v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=x.causal, **peers.gqa_kwargs(x.q, x.k))
+            return out.transpose(1, 2)
+
+        return call
+
+    config = {**PREFILL, "mode": "bwd"}
+    row = suites.prefill_row(config, [Impl("flashgen", prefill)], FakeTimers().timers(), CEILINGS, "cpu")
+    assert row["check"]["ok"]  # dq, dk, dv against SDPA's
+    assert row["flops"] == 2.5 * 4 * 2 * 4 * 64 * 64 * 32 / 2
+    assert "ms" in row["impls"]["flashgen"]
+    assert len(forwards) == 1  # the first call and the timed one ran the backward only
+
+
 def test_check_close_rules():
     ref = torch.randn(4, 8)
     assert suites.check_close(ref + 1e-4, ref, "r")["ok"]
