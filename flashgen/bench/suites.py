@@ -187,9 +187,9 @@ def prefill_row(config: dict, impls: list[Impl], timers: Timers, ceilings: dict 
         return entry
 
     row = {"config": config, "flops": flops, "check": None, "impls": {}}
+    wrap = {"fwd": None, "bwd": _backward_only, "fwd_bwd": _with_backward}[config["mode"]]
     for impl in impls:
         if impl.prefill is not None:
-            wrap = {"fwd": None, "bwd": _backward_only, "fwd_bwd": _with_backward}[config["mode"]]
             factory = wrap(impl.prefill, dout) if wrap else impl.prefill
             row["impls"][impl.name] = _measure(impl, factory, x, row, reference, time_call)
     return row
