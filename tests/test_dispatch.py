@@ -1,4 +1,6 @@
 """Dispatch is a pure function of the call and the device: every decision checked on the CPU."""
+import dataclasses
+
 import pytest
 
 from flashgen.generator.matrix import is_in_matrix
@@ -111,3 +113,25 @@ def test_plan_splits():
 def test_plan_paged_forces_packing():
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.pack_gqa
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.paged
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90a"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_bwd_tile_fits_and_takes_the_most_stages_that_fit(arch, head_dim):
+    from flashgen.generator import tiles
+    from flashgen.runtime.backward import plan_bwd
+
+    tile = tiles.bwd_tile("sm80", arch, head_dim)
+    limit = tiles.smem_limit(arch)
+    assert 1 <= tile.stages <= tiles.BWD_MAX_STAGES and tile.smem_bytes(head_dim) <= limit
+    if tile.stages < tiles.BWD_MAX_STAGES:  # one more stage would not fit
+        assert dataclasses.replace(tile, stages=tile.stages + 1).smem_bytes(head_dim) > limit
+    # The dQ tiles of a step cover it exactly (BwdTraits' static_asserts), keep bits fit 64 bits.
+    row_groups = tile.block_m // 16
+    assert tile.num_warps % row_groups == 0 and tile.block_m // 8 <= 16
+    # The plan launches that tile: one CTA per key block and head-dim slice, per KV head and batch.
+    capability = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_90a": (9, 0)}[arch]
+    p = plan_bwd(dtype="bf16", head_dim=head_dim, batch=3, seqlen_q=300, seqlen_k=1000, nheads_k=4, causal=False,
+                 window_size=(-1, -1), softcap=0.0, device=capability)
+    assert p.tile == tile and p.smem_bytes == tile.smem_bytes(head_dim)
+    assert p.grid == (-(-1000 // tile.block_n) * tile.d_slices, 4, 3)
