@@ -48,8 +48,9 @@ def stub_device(monkeypatch, num_sms: int, run=None) -> dict:
     """Stub launch_combine's device calls; returns what its launch saw (and passes it to run)."""
     seen = {}
 
-    def fake_launch(spec, smem_bytes, num_threads, grid, params, index):
+    def fake_launch(spec, smem_bytes, num_threads, grid, params, index, dependent=False):
         assert spec.direction == "combine" and smem_bytes == 0
+        assert dependent, "on sm_90 the combine is a programmatic dependent launch"
         seen.update(threads=num_threads, grid=grid)
         if run is not None:
             run(spec, num_threads, grid, params)
@@ -218,6 +219,7 @@ inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+inline void grid_dependency_wait() {}  // the host runs one kernel at a time
 using std::max;
 using std::min;
 

@@ -110,6 +110,33 @@ def test_plan_splits():
     assert p.spec.pack_gqa and p.num_splits == 4
 
 
+def test_plan_splits_drop_empty_splits_and_fill_the_decode_wave():
+    from flashgen.runtime import dispatch, heuristics
+    from flashgen.runtime.dispatch import DeviceInfo
+
+    h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
+    decode = dict(batch=1, nheads=32, nheads_k=8, seqlen_q=1, num_splits=0, device=h200)
+    # 2k keys are 16 blocks of 128: the heuristic's 14 splits would take 2 blocks each and leave
+    # 6 splits empty; only the 8 with keys are launched.
+    assert heuristics.num_splits_heuristic(8, 132, 16, 1, 2048 * 128 * 4, False, 128) == 14
+    assert plan(seqlen_k=2048, **decode).num_splits == 8
+    # 32k keys: 8 CTAs x 15 splits would leave 12 SMs idle; 16 splits fill the wave and keep 16
+    # blocks each. 8k keys (4 blocks a split at 16) keep the heuristic's count.
+    p = plan(seqlen_k=32768, **decode)
+    assert p.num_splits == 16 and p.grid == (1, 8, 16)
+    assert plan(seqlen_k=8192, **decode).num_splits == 13  # 15 splits of 5 blocks: 13 with keys
+    prefill = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=32768, num_splits=0, device=h200)
+    prefill_splits = plan(**prefill).num_splits
+    dispatch.plan_fwd.cache_clear()
+    try:
+        dispatch.DECODE_FILL_WAVE = False
+        assert plan(seqlen_k=32768, **decode).num_splits == 15
+        assert plan(**prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
+    finally:
+        dispatch.DECODE_FILL_WAVE = True
+        dispatch.plan_fwd.cache_clear()
+
+
 def test_plan_paged_forces_packing():
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.pack_gqa
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.paged

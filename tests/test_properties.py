@@ -438,11 +438,15 @@ def test_plan_fwd_picks_one_matrix_spec_that_fits(call):
     rows = sq * (h // hk) if spec.pack_gqa else sq
     assert spec.decode == (rows <= DECODE_MAX_ROWS)
 
-    # Splits: within [1, MAX_SPLITS] and the key blocks; a forced count is taken as given when it fits.
+    # Splits: within [1, MAX_SPLITS] and the key blocks, none without blocks; a forced count sets
+    # the key blocks per split (splits that would get none are not launched).
     n_blocks = max(1, -(-sk // tile.block_n))
     assert 1 <= plan.num_splits <= min(MAX_SPLITS, n_blocks)
+    per_split = -(-n_blocks // plan.num_splits)
+    assert (plan.num_splits - 1) * per_split < n_blocks, "a split without key blocks"
     if call["num_splits"] >= 1:
-        assert plan.num_splits == min(call["num_splits"], n_blocks, MAX_SPLITS)
+        asked = min(call["num_splits"], n_blocks, MAX_SPLITS)
+        assert per_split == -(-n_blocks // asked), "a forced count sets the key blocks per split"
 
     # The grid covers every row and head, and fits CUDA's limits unless validate.grid says why not.
     heads = hk if spec.pack_gqa else h

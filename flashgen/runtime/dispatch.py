@@ -42,6 +42,14 @@ class FwdPlan:
 
 
 MAX_SPLITS = 128
+# Decode (the decode tile) only reads K/V, and an SM left idle is its share of the bandwidth lost:
+# when the heuristic's splits leave part of the single wave empty, raise them to fill it, as long
+# as each split keeps at least DECODE_FILL_MIN_BLOCKS key blocks. Measured on the H200 (32/8 heads,
+# d128, b1): 32k and 128k keys (16 and 64 blocks per split) 5% faster; 2k and 8k keys (1 and 4
+# blocks per split) 10-20% slower, where fixed costs and the combine dominate. (DECODE_FILL_WAVE is
+# a switch for benchmarks/tune_decode.py, which measures both ways.)
+DECODE_FILL_WAVE = True
+DECODE_FILL_MIN_BLOCKS = 8
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -133,12 +141,22 @@ def plan_fwd(
     n_blocks = max(1, -(-seqlen_k // tile.block_n))
     if num_splits == 0:
         slots = device.num_sms * tile.ctas_per_sm(d_instance, device.smem_per_sm)
+        total_mblocks = m_blocks * heads * batch
+        max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch))
         num_splits = heuristics.num_splits_heuristic(
-            m_blocks * heads * batch, slots, n_blocks, m_blocks,
-            seqlen_k * head_dim * 2 * 2, mask != "none", min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch)),
+            total_mblocks, slots, n_blocks, m_blocks,
+            seqlen_k * head_dim * 2 * 2, mask != "none", max_splits,
             l2_bytes=device.l2_bytes,
         )
+        if decode and DECODE_FILL_WAVE and num_splits > 1 and total_mblocks * num_splits < slots:
+            filled = min(slots // total_mblocks, max_splits)
+            if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
+                num_splits = max(num_splits, filled)
     num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    # Each split takes ceil(n_blocks / num_splits) key blocks (fwd_sm80.cuh), so some counts leave
+    # the last splits without keys (16 blocks in 14 splits: 8 of 2 blocks, 6 empty). Launch only
+    # the splits that get blocks: same work per CTA, fewer CTAs and partials to combine.
+    num_splits = -(-n_blocks // -(-n_blocks // num_splits))
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
         # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
         return plan_fwd(

@@ -85,15 +85,24 @@ def dropout_from_rng_state(dropout_p: float, rng_state: torch.Tensor) -> Dropout
 _COMBINE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index: int) -> None:
+def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index: int,
+            dependent: bool = False) -> None:
+    """Launch on the current stream; ``dependent``: as a programmatic dependent launch (see
+    LoadedKernel.launch_dependent; the kernel must wait with griddepcontrol.wait)."""
     kernel = get_kernel(spec, smem_bytes, num_threads)
+    launch = kernel.launch_dependent if dependent else kernel.launch
     if torch.cuda.current_device() != index:
         with torch.cuda.device(index):
             kernel.prepare(index)
-            kernel.launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+            launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
     else:
         kernel.prepare(index)
-        kernel.launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+        launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+
+
+# The split-KV combine as a programmatic dependent launch on sm_90+ (launch_combine). A switch for
+# benchmarks/tune_decode.py, which measures both ways.
+DEPENDENT_COMBINE = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +146,10 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
         rows_per_pass = max(1, rows_per_pass >> (-(-num_splits // 8) - 1).bit_length())
     rows_per_pass = min(rows_per_pass, 1 << (max(1, rows // info.num_sms).bit_length() - 1))
     grid = (max(1, min(-(-rows // rows_per_pass), 2**31 - 1)), 1, 1)
-    _launch(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index)
+    # On sm_90+ the combine is a programmatic dependent launch: its CTAs are resident when the
+    # forward's last ones finish (combine.cuh waits with griddepcontrol.wait), hiding its launch.
+    _launch(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index,
+            dependent=DEPENDENT_COMBINE and info.capability[0] >= 9)
 
 
 def _ptr(t) -> int:

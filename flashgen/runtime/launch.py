@@ -118,7 +118,7 @@ def check(result, what: str):
 class LoadedKernel:
     """One kernel instance in this process: its CUkernel, and the devices it was set up for."""
 
-    __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices")
+    __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices", "_dependent_config")
 
     def __init__(self, spec: KernelSpec, cubin: bytes, smem_bytes: int, num_threads: int):
         driver = _import_driver()
@@ -134,6 +134,7 @@ class LoadedKernel:
             f"finding kernel {spec.kernel_name}",
         )
         self._devices: set[int] = set()
+        self._dependent_config = None  # launch_dependent's CUlaunchConfig, made on first use
 
     def prepare(self, device_index: int) -> None:
         """Raise the dynamic shared-memory limit on a device (once per device)."""
@@ -163,10 +164,40 @@ class LoadedKernel:
             self.smem_bytes, stream_handle, ctypes.addressof(argv), 0,
         )
         if result[0] != driver.CUresult.CUDA_SUCCESS:
-            raise CudaError(
-                f"launching {self.spec.uri} (grid {grid}, {self.num_threads} threads, "
-                f"{self.smem_bytes} B shared memory) failed: {_error_text(driver, result[0])}"
-            )
+            self._launch_failed(grid, result[0])
+
+    def launch_dependent(self, grid: tuple[int, int, int], stream_handle: int, params: bytes) -> None:
+        """Enqueue as a programmatic dependent launch (sm_90+): the grid may be scheduled while
+        the previous kernel on the stream still runs, once all that kernel's CTAs have executed
+        griddepcontrol.launch_dependents, and its own griddepcontrol.wait then waits for the
+        previous kernel's completion and memory. It hides the launch latency of a short kernel
+        that consumes the previous one's output (the split-KV combine). The kernel must execute
+        griddepcontrol.wait before reading what the previous kernel wrote."""
+        driver = _driver
+        config = self._dependent_config
+        if config is None:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.attrs = [attribute]
+            config.numAttrs = 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
+            config.sharedMemBytes = self.smem_bytes
+            self._dependent_config = config
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.hStream = stream_handle
+        buffer = ctypes.create_string_buffer(params, len(params))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        result = driver.cuLaunchKernelEx(config, self.kernel, ctypes.addressof(argv), 0)
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            self._launch_failed(grid, result[0])
+
+    def _launch_failed(self, grid: tuple[int, int, int], err) -> None:
+        raise CudaError(
+            f"launching {self.spec.uri} (grid {grid}, {self.num_threads} threads, "
+            f"{self.smem_bytes} B shared memory) failed: {_error_text(_driver, err)}"
+        )
 
 
 _loaded: dict[KernelSpec, LoadedKernel] = {}

@@ -293,6 +293,8 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, CombineSmem
 template <typename OutT>
 __device__ __forceinline__ void combine_splits(const CombineParams& p) {
     __shared__ CombineSmem smem;
+    // Launched as a programmatic dependent of the forward on sm_90 (launch_combine): wait for it.
+    grid_dependency_wait();
     int const num_splits = p.num_splits;
     if (num_splits > 4) {
         combine_rows<OutT, 8>(p, smem);

@@ -86,6 +86,21 @@ __device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
 }
 #endif
 
+// Programmatic dependent launch (sm_90; nothing on older targets). A kernel that the host
+// launches as a dependent (LoadedKernel.launch_dependent) waits for the previous kernel on the
+// stream, and for its memory, with grid_dependency_wait; a kernel signals with
+// allow_dependent_launch that such a successor's CTAs may already be scheduled.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // ldmatrix: four 8x8 b16 matrices; lane l supplies the address of row (l % 8) of matrix (l / 8).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {

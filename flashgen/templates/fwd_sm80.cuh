@@ -252,6 +252,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     auto sK = [&](int stage) { return sQ + (kBlockM + 2 * stage * kBlockN) * kStride; };
     auto sV = [&](int stage) { return sK(stage) + kBlockN * kStride; };
 
+    // A split-KV combine launched after this kernel may have its CTAs scheduled now (they wait for
+    // this grid to finish): its launch then overlaps this kernel instead of following it.
+    allow_dependent_launch();
     int const tid = threadIdx.x;
     int const warp = tid / 32;
     int const lane = tid % 32;
