@@ -94,10 +94,21 @@ def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index:
     if torch.cuda.current_device() != index:
         with torch.cuda.device(index):
             kernel.prepare(index)
-            launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+            launch(grid, _stream_handle(index), params)
     else:
         kernel.prepare(index)
-        launch(grid, torch.cuda.current_stream(index).cuda_stream, params)
+        launch(grid, _stream_handle(index), params)
+
+
+# The current stream's handle, without building a torch.cuda.Stream object (a few microseconds per
+# launch): the raw getter CUDA builds of torch have, else the public API.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_handle(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 # The split-KV combine as a programmatic dependent launch on sm_90+ (launch_combine). A switch for
@@ -109,6 +120,25 @@ DEPENDENT_COMBINE = True
 def _combine_spec(capability: tuple[int, int], dtype: torch.dtype) -> KernelSpec:
     arch = matrix.target_arch(*capability)
     return KernelSpec("combine", matrix.family_for(arch), arch, _COMBINE_DTYPES[dtype])
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_geometry(num_splits: int, rows: int, head_dim: int, num_sms: int):
+    """(threads, grid) of a combine launch. templates/combine.cuh derives the rest from the grid;
+    any grid is correct. A CTA of `threads` (kCombineThreads) is R rows x G split groups x C column
+    threads; the grid sets R, and with it G = threads / (R * C). Each thread has 8 partial float4s
+    in flight per batch (kCombineLoads): 8 splits of one chunk when num_splits > 4, else
+    8 / 2**ceil(log2(splits)) chunks of every split. Pick R so that one batch covers the splits
+    (G >= splits / 8), and, when rows are few, so that they spread over the SMs: at decode every
+    row then gets a whole CTA and the combine costs about one global round trip."""
+    threads = 256  # kCombineThreads
+    chunks_per_thread = 1 if num_splits > 4 else 8 >> (num_splits - 1).bit_length()  # kKc
+    col_threads = min(1 << max(-(-(head_dim // 4) // chunks_per_thread) - 1, 0).bit_length(), 64)  # C
+    rows_per_pass = threads // col_threads
+    if chunks_per_thread == 1:
+        rows_per_pass = max(1, rows_per_pass >> (-(-num_splits // 8) - 1).bit_length())
+    rows_per_pass = min(rows_per_pass, 1 << (max(1, rows // num_sms).bit_length() - 1))
+    return threads, (max(1, min(-(-rows // rows_per_pass), 2**31 - 1)), 1, 1)
 
 
 def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_partial_strides,
@@ -130,22 +160,7 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
         ("lse", ("batch", "row", "head"), lse_strides),
     ):
         values.update({f"{prefix}_{n}_stride": st for n, st in zip(names, strides)})
-    # Launch geometry (templates/combine.cuh derives the rest from the grid; any grid is correct).
-    # A CTA of `threads` (kCombineThreads) is R rows x G split groups x C column threads; the grid
-    # sets R, and with it G = threads / (R * C). Each thread has 8 partial float4s in flight per
-    # batch (kCombineLoads): 8 splits of one chunk when num_splits > 4, else 8 / 2**ceil(log2(splits))
-    # chunks of every split. Pick R so that one batch covers the splits (G >= splits / 8), and, when
-    # rows are few, so that they spread over the SMs: at decode every row then gets a whole CTA and
-    # the combine costs about one global round trip.
-    threads = 256  # kCombineThreads
-    rows = batch * seqlen * nheads
-    chunks_per_thread = 1 if num_splits > 4 else 8 >> (num_splits - 1).bit_length()  # kKc
-    col_threads = min(1 << max(-(-(head_dim // 4) // chunks_per_thread) - 1, 0).bit_length(), 64)  # C
-    rows_per_pass = threads // col_threads
-    if chunks_per_thread == 1:
-        rows_per_pass = max(1, rows_per_pass >> (-(-num_splits // 8) - 1).bit_length())
-    rows_per_pass = min(rows_per_pass, 1 << (max(1, rows // info.num_sms).bit_length() - 1))
-    grid = (max(1, min(-(-rows // rows_per_pass), 2**31 - 1)), 1, 1)
+    threads, grid = _combine_geometry(num_splits, batch * seqlen * nheads, head_dim, info.num_sms)
     # On sm_90+ the combine is a programmatic dependent launch: its CTAs are resident when the
     # forward's last ones finish (combine.cuh waits with griddepcontrol.wait), hiding its launch.
     _launch(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index,

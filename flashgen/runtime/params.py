@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import struct
 from typing import Sequence
 
@@ -251,6 +252,13 @@ LAYOUTS = {
     "BwdRowParams": BWD_ROW_LAYOUT,
 }
 _STRUCTS = {id(layout): struct.Struct(layout.fmt) for layout in LAYOUTS.values()}
+# Per layout: the field values in order, read from the dict in one C call, and the positions of the
+# divmod fields, which expand to three struct items each (pack runs on every launch).
+_GETTERS = {
+    id(layout): (operator.itemgetter(*(f.name for f in layout.fields)),
+                 tuple(i for i, f in reversed(list(enumerate(layout.fields))) if f.kind == "divmod"))
+    for layout in LAYOUTS.values()
+}
 
 
 def fast_divmod(divisor: int) -> tuple[int, int, int]:
@@ -275,13 +283,11 @@ def fast_div(n: int, divmod_value: tuple[int, int, int]) -> int:
 def pack(layout: Layout, values: dict) -> bytes:
     """Pack a Params instance by field name. A divmod field takes a (divisor, multiplier, shift)
     tuple or a plain divisor."""
-    flat = []
-    for f in layout.fields:
-        v = values[f.name]
-        if f.kind == "divmod":
-            flat.extend(_fast_divmod_cached(v) if isinstance(v, int) else v)
-        else:
-            flat.append(v)
+    getter, divmod_positions = _GETTERS[id(layout)]
+    flat = list(getter(values))
+    for i in divmod_positions:  # last first, so earlier positions stay valid
+        v = flat[i]
+        flat[i:i + 1] = _fast_divmod_cached(v) if isinstance(v, int) else v
     return _STRUCTS[id(layout)].pack(*flat)
 
 
