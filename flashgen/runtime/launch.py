@@ -134,7 +134,9 @@ class LoadedKernel:
             f"finding kernel {spec.kernel_name}",
         )
         self._devices: set[int] = set()
-        self._dependent_config = None  # launch_dependent's CUlaunchConfig, made on first use
+        # launch_dependent's CUlaunchConfig, made on first use in each thread: it is filled in per
+        # call, so threads launching this kernel (e.g. one per GPU) must not share one.
+        self._dependent_config = threading.local()
 
     def prepare(self, device_index: int) -> None:
         """Raise the dynamic shared-memory limit on a device (once per device)."""
@@ -174,7 +176,7 @@ class LoadedKernel:
         that consumes the previous one's output (the split-KV combine). The kernel must execute
         griddepcontrol.wait before reading what the previous kernel wrote."""
         driver = _driver
-        config = self._dependent_config
+        config = getattr(self._dependent_config, "config", None)
         if config is None:
             attribute = driver.CUlaunchAttribute()
             attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -184,7 +186,7 @@ class LoadedKernel:
             config.numAttrs = 1
             config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
             config.sharedMemBytes = self.smem_bytes
-            self._dependent_config = config
+            self._dependent_config.config = config
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.hStream = stream_handle
         buffer = ctypes.create_string_buffer(params, len(params))
