@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(128, 1)
 flash_fwd_sm80_hdim96_fp16_local_softcap_decode_sm86(const __grid_constant__ flashgen::FwdParams params) {
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
-        /*kHeadDim=*/96, /*kBlockM=*/16, /*kBlockN=*/64,
+        /*kHeadDim=*/96, /*kBlockM=*/16, /*kBlockN=*/128,
         /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,

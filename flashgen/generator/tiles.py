@@ -17,8 +17,9 @@ _SMEM_LIMIT = {
     "sm_120": 99 * 1024,
 }
 
-# Rows are padded by 8 elements (16 bytes) in shared memory: with an odd number of 16-byte
-# chunks per row, the 8 rows that one ldmatrix phase reads fall into 8 different bank groups.
+# Backward tiles pad rows by 8 elements (16 bytes) in shared memory (PaddedRows in fwd_sm80.cuh): with
+# an odd number of 16-byte chunks per row, the 8 rows one ldmatrix phase reads fall into 8 different
+# bank groups. Forward tiles are unpadded, their chunks swizzled instead (SwizzledRows).
 SMEM_ROW_PAD = 8
 ELEMENT_BYTES = 2  # fp16 and bf16
 
@@ -49,8 +50,8 @@ class FwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + one K and one V tile per stage, each row padded (see SMEM_ROW_PAD)."""
-        return (self.block_m + 2 * self.block_n * self.stages) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        """Q tile + one K and one V tile per stage, unpadded rows (swizzled, see SwizzledRows)."""
+        return (self.block_m + 2 * self.block_n * self.stages) * head_dim * ELEMENT_BYTES
 
     def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
         """CTAs one SM holds at once: by shared memory (1 KB reserved per CTA) and by registers

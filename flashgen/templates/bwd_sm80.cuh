@@ -43,7 +43,7 @@ struct BwdTraits {
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
-    static constexpr int kStride = kHeadDim + 8;   // padded rows, as in the forward
+    static constexpr int kStride = PaddedRows<kHeadDim>::kRowBytes / 2;  // elements per padded row
     static constexpr int kDSStride = kBlockM + 8;
     static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
     static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV
@@ -258,10 +258,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                       k_offset * params.k_row_stride + bidh_kv * params.k_head_stride;
     const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride +
                       k_offset * params.v_row_stride + bidh_kv * params.v_head_stride;
-    copy_rows_async<NCopy>(sK, kStride, head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+    copy_rows_async<NCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sK), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
         return key0 + r < seqlen_k ? k_base + (key0 + r) * params.k_row_stride : nullptr;
     }));
-    copy_rows_async<NCopy>(sV, kStride, head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+    copy_rows_async<NCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sV), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
         return key0 + r < seqlen_k ? v_base + (key0 + r) * params.v_row_stride : nullptr;
     }));
     cp_async_commit();
@@ -307,10 +307,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                           q_offset * params.q_row_stride + bidh * params.q_head_stride;
         const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
                            q_offset * params.do_row_stride + bidh * params.do_head_stride;
-        copy_rows_async<MCopy>(sQ, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+        copy_rows_async<MCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sQ), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
             return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
         }));
-        copy_rows_async<MCopy>(sdO, kStride, head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+        copy_rows_async<MCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sdO), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
             return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
         }));
         // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded

@@ -8,8 +8,9 @@
 //     wait V(n); issue K(n-1) copy; O += P·V
 //
 // Each warp owns kWarpM (16 or 32) query rows and all kBlockN key columns, so the softmax row
-// reductions stay inside a quad of lanes. Shared-memory rows are padded by 16 bytes, which makes
-// every ldmatrix phase conflict-free for all instance head dims.
+// reductions stay inside a quad of lanes. Shared-memory tiles are unpadded rows with XOR-swizzled
+// 16-byte chunks (SwizzledRows below): every ldmatrix phase is conflict-free, and each cp.async
+// row copy fills whole aligned runs of shared memory, so the L2 gets whole-line requests.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -17,6 +18,41 @@
 namespace flashgen {
 
 enum class Mask { None, Causal, Local };
+
+// Shared-memory layouts of tiles whose rows hold kHeadDim 16-bit elements: offset(row, chunk) is the
+// byte offset of a row's 16-byte chunk. Both keep an ldmatrix phase (8 consecutive rows at one chunk)
+// free of bank conflicts. step(base, chunk) moves a lane's address of (row, c) to (row, c + chunk)
+// for a compile-time chunk whose bits c does not use (c < 2, chunk even, as in the mma loops).
+//
+// PaddedRows: each row padded by 16 bytes. Simple, but a row's copy then straddles two 128-byte runs
+// of shared memory, and cp.async splits such a copy's global request: measured on the H200 (ncu),
+// the L2 then serves 1.5x the sectors of the tile (benchmarks/results/decode_tiles_h200.md).
+template <int kHeadDim>
+struct PaddedRows {
+    static constexpr int kRowBytes = (kHeadDim + 8) * 2;
+    static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return row * kRowBytes + chunk * 16; }
+    static __device__ __forceinline__ uint32_t step(uint32_t base, int chunk) { return base + chunk * 16; }
+};
+
+// SwizzledRows: unpadded rows whose chunks are XOR-permuted within aligned groups of kGroup chunks
+// (128 bytes; 64 for d96, whose 192-byte rows hold no whole 128-byte group). A row's copy fills
+// whole groups; the key of a row makes 8 consecutive rows at one chunk hit 8 different 16-byte bank
+// groups (d96: rows alternate between the two halves of a 128-byte run, so the key is row / 2).
+// Tiles must start at a multiple of 128 bytes.
+template <int kHeadDim>
+struct SwizzledRows {
+    static constexpr int kRowBytes = kHeadDim * 2;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kGroup = kChunks % 8 == 0 ? 8 : 4;
+    static_assert(kChunks % kGroup == 0, "swizzled rows need a head dim that is a multiple of 32");
+    static __device__ __forceinline__ int key(int row) { return kGroup == 8 ? row % 8 : (row / 2) % 4; }
+    static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
+        return row * kRowBytes + ((chunk & ~(kGroup - 1)) | ((chunk ^ key(row)) & (kGroup - 1))) * 16;
+    }
+    static __device__ __forceinline__ uint32_t step(uint32_t base, int chunk) {
+        return (base ^ uint32_t((chunk & (kGroup - 1)) * 16)) + uint32_t((chunk & ~(kGroup - 1)) * 16);
+    }
+};
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsN_,
           int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_>
@@ -48,7 +84,7 @@ struct FwdTraits {
     static constexpr int kMI = kWarpM / 16;           // m16 tiles per warp
     static constexpr int kNI = kWarpN / 8;            // n8 tiles of a warp's S
     static constexpr int kDI = kHeadDim / 8;          // n8 tiles of O
-    static constexpr int kSmemStride = kHeadDim + 8;  // elements; see the padding note above
+    using Smem = SwizzledRows<kHeadDim>;  // layout of the Q, K and V tiles in shared memory
 
     static_assert(kWarpM == 16 || kWarpM == 32, "a warp owns 16 or 32 query rows");
     static_assert(kWarpsM * kWarpsN == kNWarps, "warps tile the block");
@@ -98,10 +134,11 @@ __device__ __forceinline__ RowPtrs<Copy, T> row_ptrs(int tid, RowPtr row_ptr) {
     return ptrs;
 }
 
-// Copies rows [0, kRows) of a tile into shared memory, each row's address broadcast from the lane
-// that computed it. Rows with a null address, and columns >= head_dim, are zero-filled.
-template <typename Copy, typename T>
-__device__ __forceinline__ void copy_rows_async(T* smem, int smem_stride, int head_dim, int tid,
+// Copies rows [0, kRows) of a tile into shared memory (at shared address smem, in Layout), each row's
+// address broadcast from the lane that computed it. Rows with a null address, and columns >=
+// head_dim, are zero-filled.
+template <typename Copy, typename Layout, typename T>
+__device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int tid,
                                                 const RowPtrs<Copy, T>& ptrs) {
     int const lane_in_row = tid % Copy::kThreadsPerRow;
     int const row0 = tid / Copy::kThreadsPerRow;
@@ -116,17 +153,16 @@ __device__ __forceinline__ void copy_rows_async(T* smem, int smem_stride, int he
             for (int j = 0; j < Copy::kColIters; ++j) {
                 int const col = lane_in_row * 8 + j * Copy::kChunkElems;
                 bool const valid = gptr != nullptr && col < head_dim;
-                cp_async_16(smem_u32(smem + row * smem_stride + col), valid ? gptr + col : gptr,
-                            valid);
+                cp_async_16(smem + Layout::offset(row, col / 8), valid ? gptr + col : gptr, valid);
             }
         }
     }
 }
 
-// Same partition, shared -> global, 16-byte stores; rows with a null address are skipped.
-template <typename Copy, typename T, typename RowPtr>
-__device__ __forceinline__ void store_rows(const T* smem, int smem_stride, int head_dim, int tid,
-                                           RowPtr row_ptr) {
+// Same partition, shared (the tile at smem, in Layout) -> global, 16-byte stores; rows with a null
+// address are skipped.
+template <typename Copy, typename Layout, typename T, typename RowPtr>
+__device__ __forceinline__ void store_rows(const T* smem, int head_dim, int tid, RowPtr row_ptr) {
     int const lane_in_row = tid % Copy::kThreadsPerRow;
     int const row0 = tid / Copy::kThreadsPerRow;
     T* ptrs[Copy::kPtrsPerThread];
@@ -147,8 +183,8 @@ __device__ __forceinline__ void store_rows(const T* smem, int smem_stride, int h
             for (int j = 0; j < Copy::kColIters; ++j) {
                 int const col = lane_in_row * 8 + j * Copy::kChunkElems;
                 if (col < head_dim) {
-                    *reinterpret_cast<uint4*>(gptr + col) =
-                        *reinterpret_cast<const uint4*>(smem + row * smem_stride + col);
+                    *reinterpret_cast<uint4*>(gptr + col) = *reinterpret_cast<const uint4*>(
+                        reinterpret_cast<const unsigned char*>(smem) + Layout::offset(row, col / 8));
                 }
             }
         }
@@ -161,20 +197,21 @@ __device__ __forceinline__ void store_rows(const T* smem, int smem_stride, int h
 template <typename Tr>
 __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMI][Tr::kNI][4], uint32_t sQ_warp,
                                         uint32_t sK_addr, int lane) {
-    constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    using Smem = typename Tr::Smem;
     constexpr int kKSteps = Tr::kHeadDim / 16;
     constexpr int kNPairs = Tr::kNI / 2;
-    // ldmatrix lane -> (row, col) of its 8x8 matrix: A tiles are [rows 0-15] x [k 0-7 | 8-15];
-    // B tiles (K rows are the n index) pair two n8 tiles: [n 0-7 | 8-15] x [k 0-7 | 8-15].
-    uint32_t const a_base = sQ_warp + (lane % 16) * kStrideBytes + (lane / 16) * 16;
-    uint32_t const b_base =
-        sK_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
+    // ldmatrix lane -> (row, chunk) of its 8x8 matrix: A tiles are [rows 0-15] x [k 0-7 | 8-15];
+    // B tiles (K rows are the n index) pair two n8 tiles: [n 0-7 | 8-15] x [k 0-7 | 8-15]. Row
+    // offsets of 16 keep a row's swizzle key, so they are plain additions.
+    uint32_t const a_base = sQ_warp + Smem::offset(lane % 16, lane / 16);
+    uint32_t const b_base = sK_addr + Smem::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
     auto load_a = [&](uint32_t (&a)[Tr::kMI][4], int kk) {
 #pragma unroll
-        for (int mi = 0; mi < Tr::kMI; ++mi) ldmatrix_x4(a[mi], a_base + mi * 16 * kStrideBytes + kk * 32);
+        for (int mi = 0; mi < Tr::kMI; ++mi)
+            ldmatrix_x4(a[mi], Smem::step(a_base, 2 * kk) + mi * 16 * Smem::kRowBytes);
     };
     auto load_b = [&](uint32_t (&b)[4], int kk, int nj) {
-        ldmatrix_x4(b, b_base + nj * 16 * kStrideBytes + kk * 32);
+        ldmatrix_x4(b, Smem::step(b_base, 2 * kk) + nj * 16 * Smem::kRowBytes);
     };
     uint32_t a[2][Tr::kMI][4];
     uint32_t b[2][4];
@@ -206,14 +243,13 @@ template <typename Tr>
 __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
                                         const uint32_t (&p)[Tr::kMI][Tr::kWarpN / 16][4],
                                         uint32_t sV_addr, int lane) {
-    constexpr int kStrideBytes = Tr::kSmemStride * 2;
+    using Smem = typename Tr::Smem;
     constexpr int kKSteps = Tr::kWarpN / 16;
     constexpr int kDPairs = Tr::kDI / 2;
     // Transposed B tiles: [keys 0-7 | 8-15] x [d 0-7 | 8-15], one 8x8 matrix per lane octet.
-    uint32_t const b_base =
-        sV_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
+    uint32_t const b_base = sV_addr + Smem::offset(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
     auto load_b = [&](uint32_t (&b)[4], int kk, int dj) {
-        ldmatrix_x4_trans(b, b_base + kk * 16 * kStrideBytes + dj * 32);
+        ldmatrix_x4_trans(b, Smem::step(b_base, 2 * dj) + kk * 16 * Smem::kRowBytes);
     };
     uint32_t b[2][4];
     load_b(b[0], 0, 0);
@@ -241,12 +277,14 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     using T = typename Tr::T;
     using Element = typename Tr::Element;
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMI = Tr::kMI, kNI = Tr::kNI,
-                  kDI = Tr::kDI, kStride = Tr::kSmemStride, kWarpN = Tr::kWarpN;
+                  kDI = Tr::kDI, kWarpN = Tr::kWarpN;
+    using Smem = typename Tr::Smem;
+    constexpr int kStride = Smem::kRowBytes / 2;  // elements from one tile row to the next
     constexpr bool kMasked = Tr::kMask != Mask::None;
     using QCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
     using KVCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start at 128 bytes
     // [Q | K0 V0 | K1 V1 | ...]: one K and one V buffer per stage.
     T* sQ = reinterpret_cast<T*>(smem_raw);
     auto sK = [&](int stage) { return sQ + (kBlockM + 2 * stage * kBlockN) * kStride; };
@@ -354,7 +392,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             return q_base + row * params.q_row_stride + bidh * params.q_head_stride;
         }
     });
-    copy_rows_async<QCopy>(sQ, kStride, head_dim, tid, q_ptrs);
+    copy_rows_async<QCopy, Smem>(smem_u32(sQ), head_dim, tid, q_ptrs);
     // K/V rows: key j of this batch element is row leftpad + j of its K/V row, or, when paged,
     // row (leftpad + j) % page_size of page block_table[b][(leftpad + j) / page_size].
     int64_t const kv_row0 = Tr::kPaged ? 0 : int64_t(kv_b) * params.k_batch_stride + leftpad * params.k_row_stride;
@@ -392,11 +430,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         }
     };
     auto load_k = [&](int stage) {
-        copy_rows_async<KVCopy>(sK(stage), kStride, head_dim, tid,
+        copy_rows_async<KVCopy, Smem>(smem_u32(sK(stage)), head_dim, tid,
                                 Tr::kPaged ? k_ptrs : kv_row_ptrs(k_base, 0, params.k_row_stride));
     };
     auto load_v = [&](int stage) {
-        copy_rows_async<KVCopy>(sV(stage), kStride, head_dim, tid,
+        copy_rows_async<KVCopy, Smem>(smem_u32(sV(stage)), head_dim, tid,
                                 Tr::kPaged ? v_ptrs : kv_row_ptrs(v_base, 0, params.v_row_stride));
     };
     if constexpr (Tr::kStages == 1) {
@@ -712,7 +750,8 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             } else {
 #pragma unroll
                 for (int di = 0; di < kDI; ++di) {
-                    *reinterpret_cast<uint32_t*>(sQ + r * kStride + di * 8 + 2 * (lane % 4)) =
+                    *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sQ) +
+                                                 Smem::offset(r, di) + 4 * (lane % 4)) =
                         Element::pack2(acc_o[mi][di][2 * half] * inv_sum,
                                        acc_o[mi][di][2 * half + 1] * inv_sum);
                 }
@@ -725,7 +764,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     if (write_partial) return;
     __syncthreads();
     T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + q_offset * params.o_row_stride;
-    store_rows<QCopy>(sQ, kStride, head_dim, tid, [&](int r) -> T* {
+    store_rows<QCopy, Smem>(sQ, head_dim, tid, [&](int r) -> T* {
         int const row = row_start + r;
         if (row >= rows_total) return nullptr;
         if constexpr (Tr::kPackGQA) {
