@@ -17,9 +17,10 @@ _SMEM_LIMIT = {
     "sm_120": 99 * 1024,
 }
 
-# Backward tiles pad rows by 8 elements (16 bytes) in shared memory (PaddedRows in fwd_sm80.cuh): with
-# an odd number of 16-byte chunks per row, the 8 rows one ldmatrix phase reads fall into 8 different
-# bank groups. Forward tiles are unpadded, their chunks swizzled instead (SwizzledRows).
+# Head-dim rows (Q, K, V, dO tiles) are unpadded in shared memory, their 16-byte chunks swizzled
+# (SwizzledRows in fwd_sm80.cuh). The backward's dSᵀ tile pads its rows by 8 elements (16 bytes):
+# with an odd number of 16-byte chunks per row, the 8 rows one ldmatrix phase reads fall into 8
+# different bank groups.
 SMEM_ROW_PAD = 8
 ELEMENT_BYTES = 2  # fp16 and bf16
 
@@ -144,9 +145,9 @@ class BwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V (block_n rows) and per stage Q, dO (block_m rows), padded; the dSᵀ tile; per stage
+        """K, V (block_n rows) and per stage Q, dO (block_m rows), swizzled; the padded dSᵀ tile; per stage
         the LSE and D rows."""
-        rows = (2 * self.block_n + 2 * self.block_m * self.stages) * (head_dim + SMEM_ROW_PAD) * ELEMENT_BYTES
+        rows = (2 * self.block_n + 2 * self.block_m * self.stages) * head_dim * ELEMENT_BYTES
         ds = self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES
         return rows + ds + 2 * self.block_m * 4 * self.stages
 

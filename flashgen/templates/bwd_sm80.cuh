@@ -14,7 +14,8 @@
 //   key-block order under deterministic mode, through a per-row-block semaphore)
 //
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
-// any register transpose; only dS crosses shared memory. Padded query rows are zero (Q, dO, D),
+// any register transpose; only dS crosses shared memory. K, V, Q and dO tiles use the forward's
+// swizzled layout (SwizzledRows: whole-line cp.async requests). Padded query rows are zero (Q, dO, D),
 // so they contribute exactly 0; padded key rows are masked, and their dK/dV rows never stored.
 #pragma once
 #include "common.cuh"
@@ -43,7 +44,7 @@ struct BwdTraits {
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
-    static constexpr int kStride = PaddedRows<kHeadDim>::kRowBytes / 2;  // elements per padded row
+    using Smem = SwizzledRows<kHeadDim>;  // layout of the K, V, Q and dO tiles
     static constexpr int kDSStride = kBlockM + 8;
     static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
     static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV
@@ -57,22 +58,23 @@ struct BwdTraits {
 constexpr int kBRing = 4;
 
 // C[16 x kCols] += A(16 rows at a_addr, k = kK) · B where B's rows are the n index (non-transposed
-// ldmatrix, as Q·Kᵀ in the forward). A is loaded one k-step ahead, B kBRing - 1 steps ahead.
-template <typename Element, int kK, int kNTiles, int kStrideBytes>
+// ldmatrix, as Q·Kᵀ in the forward); both tiles in layout Smem. A is loaded one k-step ahead, B
+// kBRing - 1 steps ahead.
+template <typename Element, typename Smem, int kK, int kNTiles>
 __device__ __forceinline__ void gemm_a_smem_bt(float (&c)[kNTiles][4], uint32_t a_addr, uint32_t b_addr, int lane) {
     constexpr int kKSteps = kK / 16;
     constexpr int kNPairs = kNTiles / 2;
     constexpr int kSteps = kKSteps * kNPairs;
-    uint32_t const a_base = a_addr + (lane % 16) * kStrideBytes + (lane / 16) * 16;
-    uint32_t const b_base = b_addr + ((lane / 16) * 8 + lane % 8) * kStrideBytes + ((lane / 8) % 2) * 16;
-    auto b_at = [&](int t) { return b_base + (t % kNPairs) * 16 * kStrideBytes + (t / kNPairs) * 32; };
+    uint32_t const a_base = a_addr + Smem::offset(lane % 16, lane / 16);
+    uint32_t const b_base = b_addr + Smem::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    auto b_at = [&](int t) { return Smem::step(b_base, 2 * (t / kNPairs)) + (t % kNPairs) * 16 * Smem::kRowBytes; };
     uint32_t a[2][4], b[kBRing][4];
     ldmatrix_x4(a[0], a_base);
 #pragma unroll
     for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4(b[t], b_at(t));
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
-        if (kk + 1 < kKSteps) ldmatrix_x4(a[(kk + 1) % 2], a_base + (kk + 1) * 32);
+        if (kk + 1 < kKSteps) ldmatrix_x4(a[(kk + 1) % 2], Smem::step(a_base, 2 * (kk + 1)));
 #pragma unroll
         for (int nj = 0; nj < kNPairs; ++nj) {
             int const t = kk * kNPairs + nj;
@@ -84,16 +86,18 @@ __device__ __forceinline__ void gemm_a_smem_bt(float (&c)[kNTiles][4], uint32_t 
 }
 
 // C[16 x kNTiles*8] += A · B with A from registers (kK/16 fragments) and B's rows the k index
-// (transposed ldmatrix, as P·V in the forward), B starting at b_addr (its column offset included)
-// and loaded kBRing - 1 steps ahead.
-template <typename Element, int kK, int kNTiles, int kStrideBytes>
+// (transposed ldmatrix, as P·V in the forward): the tile at b_addr in layout Smem, from its 16-byte
+// column chunk col_chunk (even) on. B is loaded kBRing - 1 steps ahead.
+template <typename Element, typename Smem, int kK, int kNTiles>
 __device__ __forceinline__ void gemm_a_reg_b(float (&c)[kNTiles][4], const uint32_t (&a)[kK / 16][4],
-                                             uint32_t b_addr, int lane) {
+                                             uint32_t b_addr, int col_chunk, int lane) {
     constexpr int kKSteps = kK / 16;
     constexpr int kNPairs = kNTiles / 2;
     constexpr int kSteps = kKSteps * kNPairs;
-    uint32_t const b_base = b_addr + (((lane / 8) % 2) * 8 + lane % 8) * kStrideBytes + (lane / 16) * 16;
-    auto b_at = [&](int t) { return b_base + (t / kNPairs) * 16 * kStrideBytes + (t % kNPairs) * 32; };
+    uint32_t const b_base = b_addr + Smem::offset(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
+    auto b_at = [&](int t) {
+        return Smem::step(b_base, col_chunk + 2 * (t % kNPairs)) + (t / kNPairs) * 16 * Smem::kRowBytes;
+    };
     uint32_t b[kBRing][4];
 #pragma unroll
     for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4_trans(b[t], b_at(t));
@@ -191,13 +195,14 @@ template <typename Tr>
 __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     using T = typename Tr::T;
     using Element = typename Tr::Element;
-    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kStride;
-    constexpr int kStrideBytes = kStride * 2;
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+    using Smem = typename Tr::Smem;
+    constexpr int kStride = Smem::kRowBytes / 2;  // elements from one tile row to the next
     constexpr bool kMasked = Tr::kMask != Mask::None;
     using MCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
     using NCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start at 128 bytes
     constexpr int kStages = Tr::kStages;
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + kBlockN * kStride;
@@ -258,10 +263,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                       k_offset * params.k_row_stride + bidh_kv * params.k_head_stride;
     const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + bidb * params.v_batch_stride +
                       k_offset * params.v_row_stride + bidh_kv * params.v_head_stride;
-    copy_rows_async<NCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sK), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+    copy_rows_async<NCopy, Smem>(smem_u32(sK), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
         return key0 + r < seqlen_k ? k_base + (key0 + r) * params.k_row_stride : nullptr;
     }));
-    copy_rows_async<NCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sV), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
+    copy_rows_async<NCopy, Smem>(smem_u32(sV), head_dim, tid, row_ptrs<NCopy, T>(tid, [&](int r) -> const T* {
         return key0 + r < seqlen_k ? v_base + (key0 + r) * params.v_row_stride : nullptr;
     }));
     cp_async_commit();
@@ -276,7 +281,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const key_row[2] = {key0 + warp * 16 + lane / 4, key0 + warp * 16 + lane / 4 + 8};
     uint32_t const sK_warp = smem_u32(sK + warp * 16 * kStride);
     uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
-    constexpr uint32_t kRowStageBytes = kBlockM * kStrideBytes;
+    constexpr uint32_t kRowStageBytes = kBlockM * Smem::kRowBytes;
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
@@ -307,10 +312,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                           q_offset * params.q_row_stride + bidh * params.q_head_stride;
         const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
                            q_offset * params.do_row_stride + bidh * params.do_head_stride;
-        copy_rows_async<MCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sQ), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+        copy_rows_async<MCopy, Smem>(smem_u32(sQ), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
             return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
         }));
-        copy_rows_async<MCopy, PaddedRows<Tr::kHeadDim>>(smem_u32(sdO), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
+        copy_rows_async<MCopy, Smem>(smem_u32(sdO), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
             return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
         }));
         // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded
@@ -346,8 +351,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         for (int i = 0; i < Tr::kMN; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
-        gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(st, sK_warp, sQ_addr, lane);
-        gemm_a_smem_bt<Element, Tr::kHeadDim, Tr::kMN, kStrideBytes>(dpt, sV_warp, sdO_addr, lane);
+        gemm_a_smem_bt<Element, Smem, Tr::kHeadDim, Tr::kMN>(st, sK_warp, sQ_addr, lane);
+        gemm_a_smem_bt<Element, Smem, Tr::kHeadDim, Tr::kMN>(dpt, sV_warp, sdO_addr, lane);
 
         // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of the warp's
         // 16, one 16-key chunk) and query columns; bit (mi * 2 + column) * 2 + half.
@@ -394,8 +399,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                 *reinterpret_cast<uint32_t*>(sdS + row * Tr::kDSStride + col) = dst[kk][r];
             }
         }
-        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dv, pt, sdO_addr + col0 * 2, lane);
-        gemm_a_reg_b<Element, kBlockM, Tr::kDN, kStrideBytes>(acc_dk, dst, sQ_addr + col0 * 2, lane);
+        gemm_a_reg_b<Element, Smem, kBlockM, Tr::kDN>(acc_dv, pt, sdO_addr, col0 / 8, lane);
+        gemm_a_reg_b<Element, Smem, kBlockM, Tr::kDN>(acc_dk, dst, sQ_addr, col0 / 8, lane);
         __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D; all of dSᵀ is written
         issue_step(t + kStages);
 
@@ -415,7 +420,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
                 ldmatrix_x4_trans(a[kk], a_base + kk * 16 * Tr::kDSStride * 2);
             }
-            gemm_a_reg_b<Element, kBlockN, Tr::kDQCols / 8, kStrideBytes>(acc_dq, a, smem_u32(sK) + dq_col0 * 2, lane);
+            gemm_a_reg_b<Element, Smem, kBlockN, Tr::kDQCols / 8>(acc_dq, a, smem_u32(sK), dq_col0 / 8, lane);
         }
         // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
         int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;

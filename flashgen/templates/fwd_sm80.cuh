@@ -19,26 +19,19 @@ namespace flashgen {
 
 enum class Mask { None, Causal, Local };
 
-// Shared-memory layouts of tiles whose rows hold kHeadDim 16-bit elements: offset(row, chunk) is the
-// byte offset of a row's 16-byte chunk. Both keep an ldmatrix phase (8 consecutive rows at one chunk)
-// free of bank conflicts. step(base, chunk) moves a lane's address of (row, c) to (row, c + chunk)
-// for a compile-time chunk whose bits c does not use (c < 2, chunk even, as in the mma loops).
+// Shared-memory layout of tiles whose rows hold kHeadDim 16-bit elements (the forward's Q/K/V and
+// the backward's K/V/Q/dO): offset(row, chunk) is the byte offset of a row's 16-byte chunk.
+// step(base, chunk) moves a lane's address of (row, c) to (row, c + chunk) for a chunk whose bits c
+// does not use (c < 2 and chunk even, as in the mma loops).
 //
-// PaddedRows: each row padded by 16 bytes. Simple, but a row's copy then straddles two 128-byte runs
-// of shared memory, and cp.async splits such a copy's global request: measured on the H200 (ncu),
-// the L2 then serves 1.5x the sectors of the tile (benchmarks/results/decode_tiles_h200.md).
-template <int kHeadDim>
-struct PaddedRows {
-    static constexpr int kRowBytes = (kHeadDim + 8) * 2;
-    static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return row * kRowBytes + chunk * 16; }
-    static __device__ __forceinline__ uint32_t step(uint32_t base, int chunk) { return base + chunk * 16; }
-};
-
-// SwizzledRows: unpadded rows whose chunks are XOR-permuted within aligned groups of kGroup chunks
-// (128 bytes; 64 for d96, whose 192-byte rows hold no whole 128-byte group). A row's copy fills
-// whole groups; the key of a row makes 8 consecutive rows at one chunk hit 8 different 16-byte bank
-// groups (d96: rows alternate between the two halves of a 128-byte run, so the key is row / 2).
-// Tiles must start at a multiple of 128 bytes.
+// Rows are unpadded and their chunks XOR-permuted within aligned groups of kGroup chunks (128 bytes;
+// 64 for d96, whose 192-byte rows hold no whole 128-byte group). The key of a row makes the 8
+// consecutive rows an ldmatrix phase reads at one chunk hit 8 different 16-byte bank groups (d96:
+// rows alternate between the halves of a 128-byte run, so the key is row / 2). A row's cp.async
+// copy fills whole aligned groups. Rows padded by 16 bytes would also avoid bank conflicts, but
+// then a row's copy straddles two 128-byte runs of shared memory and cp.async splits its global
+// request there: ncu on the H200 measured 1.5x the L2 sectors of the tile (24 per 512-byte warp
+// copy instead of 16; benchmarks/results/decode_tiles_h200.md). Tiles start at multiples of 128 bytes.
 template <int kHeadDim>
 struct SwizzledRows {
     static constexpr int kRowBytes = kHeadDim * 2;
