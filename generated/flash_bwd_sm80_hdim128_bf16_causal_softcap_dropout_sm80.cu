@@ -8,7 +8,7 @@ flash_bwd_sm80_hdim128_bf16_causal_softcap_dropout_sm80(const __grid_constant__ 
     using Traits = flashgen::BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/128, /*kNWarps=*/8,
         /*kBlockM=*/64, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::Causal,
+        /*kStages=*/1, flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kDropout=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -8,7 +8,7 @@ flash_bwd_sm80_hdim64_bf16_local_softcap_sm86(const __grid_constant__ flashgen::
     using Traits = flashgen::BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockM=*/64, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::Local,
+        /*kStages=*/1, flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

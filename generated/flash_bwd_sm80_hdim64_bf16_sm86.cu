@@ -8,7 +8,7 @@ flash_bwd_sm80_hdim64_bf16_sm86(const __grid_constant__ flashgen::BwdParams para
     using Traits = flashgen::BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockM=*/64, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::None,
+        /*kStages=*/1, flashgen::Mask::None,
         /*kSoftcap=*/false, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -8,7 +8,7 @@ flash_bwd_sm80_hdim64_fp16_causal_dropout_sm80(const __grid_constant__ flashgen:
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockM=*/128, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::Causal,
+        /*kStages=*/1, flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kDropout=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

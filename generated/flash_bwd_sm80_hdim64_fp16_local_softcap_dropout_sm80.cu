@@ -8,7 +8,7 @@ flash_bwd_sm80_hdim64_fp16_local_softcap_dropout_sm80(const __grid_constant__ fl
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockM=*/128, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::Local,
+        /*kStages=*/1, flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kDropout=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);
 }

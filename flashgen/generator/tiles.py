@@ -131,10 +131,14 @@ ROW_KERNEL_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
-    num_warps: int  # 16 keys per warp: the CTA owns 16 * num_warps keys
+    num_warps: int  # in pairs over 32 keys (bwd_sm80.cuh): the CTA owns 16 * num_warps keys
     block_m: int    # queries per step
     d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
     stages: int = 1  # Q/dO/LSE/D buffers: with 2, step t + 1's rows load during all of step t
+
+    def __post_init__(self):
+        if self.num_warps % 2 or self.block_m % 32:
+            raise ValueError(f"{self}: warps come in pairs and each owns half of a multiple of 32 queries")
 
     @property
     def block_n(self) -> int:
@@ -145,10 +149,10 @@ class BwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V (block_n rows) and per stage Q, dO (block_m rows), swizzled; the padded dSᵀ tile; per stage
-        the LSE and D rows."""
+        """K, V (block_n rows) and per stage Q, dO (block_m rows), swizzled; the padded Pᵀ and dSᵀ
+        tiles; per stage the LSE and D rows."""
         rows = (2 * self.block_n + 2 * self.block_m * self.stages) * head_dim * ELEMENT_BYTES
-        ds = self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES
+        ds = 2 * self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES  # Pᵀ and dSᵀ
         return rows + ds + 2 * self.block_m * 4 * self.stages
 
 
@@ -159,7 +163,8 @@ class BwdTile:
 # measured the same on the H200: benchmarks/tune_bwd_tiles.py).
 _BWD_SM80_LARGE = {64: BwdTile(8, 128, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
                    192: BwdTile(4, 64, 2), 256: BwdTile(4, 64, 2)}
-_BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(4, 64, 1),
+# With 99 KB (no device to tune on): d96 takes four warps so that Pᵀ and dSᵀ fit next to K, V, Q, dO.
+_BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(4, 64, 1), 128: BwdTile(4, 64, 1),
                    192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}
 BWD_MAX_STAGES = 2
 

@@ -6,16 +6,19 @@
 // keys (the next step's Q, dO, LSE, D are fetched during this step's dQ product):
 //
 //   load Q(m), dO(m), LSE(m), D(m)   (with two stages: issued a whole step ahead)
-//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (each warp: 16 keys x kBlockM queries)
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (warps 2-D: 32 keys x kBlockM / 2 queries each)
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
-//   dV += Pᵀ·dO, dK += dSᵀ·Q          (Pᵀ and dSᵀ straight from registers as mma A operands)
-//   dSᵀ -> shared memory (before the dV/dK products, so its fp32 form dies early)
+//   Pᵀ, dSᵀ -> shared memory
+//   dV += Pᵀ·dO, dK += dSᵀ·Q          (warps 2-D: 32 keys x half the head-dim slice each)
 //   dQ(m) += dS·K, added to an fp32 buffer with atomics (16-byte vector reductions on sm_90; in
 //   key-block order under deterministic mode, through a per-row-block semaphore)
 //
+// The kernel is bound by shared-memory reads (ldmatrix), not by the tensor cores: every warp tile
+// is 32 rows wherever the registers allow it, so that each B fragment feeds four MMAs instead of
+// two (1152 instead of 1472 ldmatrix.x4 per 128 x 64 step at d128, FlashAttention-2's count).
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
-// any register transpose; only dS crosses shared memory. K, V, Q and dO tiles use the forward's
-// swizzled layout (SwizzledRows: whole-line cp.async requests). Padded query rows are zero (Q, dO, D),
+// any register transpose. K, V, Q and dO tiles use the forward's swizzled layout (SwizzledRows:
+// whole-line cp.async requests); Pᵀ and dSᵀ padded rows (PaddedRows). Padded query rows are zero (Q, dO, D),
 // so they contribute exactly 0; padded key rows are masked, and their dK/dV rows never stored.
 #pragma once
 #include "common.cuh"
@@ -23,6 +26,16 @@
 #include "fwd_sm80.cuh"
 
 namespace flashgen {
+
+// Rows of kElems 16-bit elements padded by 16 bytes (the Pᵀ and dSᵀ tiles, written by 4-byte
+// stores): 8 consecutive rows at one 16-byte chunk fall into 8 different bank groups. Same interface
+// as SwizzledRows.
+template <int kElems>
+struct PaddedRows {
+    static constexpr int kRowBytes = (kElems + 8) * 2;
+    static __device__ __forceinline__ uint32_t offset(int row, int chunk) { return row * kRowBytes + chunk * 16; }
+    static __device__ __forceinline__ uint32_t step(uint32_t base, int chunk) { return base + chunk * 16; }
+};
 
 template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, int kStages_, Mask kMask_,
           bool kSoftcap_, bool kDropout_>
@@ -32,160 +45,160 @@ struct BwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = kNWarps * 32;
-    static constexpr int kBlockN = 16 * kNWarps;  // keys: 16 per warp for Sᵀ, dPᵀ, dK, dV
     static constexpr int kBlockM = kBlockM_;      // queries per step
     static constexpr int kDSlices = kDSlices_;    // dK/dV/dQ columns are split over CTAs
     static constexpr int kDSlice = kHeadDim / kDSlices;
     static constexpr int kStages = kStages_;      // Q/dO/LSE/D buffers (BwdTile.stages)
-    // dQ(step) = dS · K is split over the warps as kDQRowGroups x kDQColGroups tiles of 16 rows.
-    static constexpr int kDQRowGroups = kBlockM / 16;
+    // Warp (warp_n, warp_m) = (warp / 2, warp % 2) owns keys 32 warp_n.. of Sᵀ, dPᵀ, dK and dV, and
+    // half of the step's queries (Sᵀ, dPᵀ) or of the head-dim slice (dK, dV).
+    static constexpr int kWarpsN = kNWarps / 2;
+    static constexpr int kBlockN = 32 * kWarpsN;  // keys (= 16 * kNWarps, BwdTile.block_n)
+    static constexpr int kWarpQ = kBlockM / 2;    // Sᵀ columns (queries) per warp
+    static constexpr int kMN = kWarpQ / 8;        // n8 tiles of a warp's Sᵀ
+    static constexpr int kWarpD = kDSlice / 2;    // dK/dV columns per warp
+    static constexpr int kDN = kWarpD / 8;        // n8 tiles of a warp's dK, dV
+    // dQ(step) = dS · K is split over the warps as kDQRowGroups x kDQColGroups tiles of kDQRows
+    // rows: 32 unless the column tiles would then be narrower than 16 (d96).
+    static constexpr int kDQRows = kBlockM % 32 == 0 && (kDSlice * (kBlockM / 32) / kNWarps) % 16 == 0 ? 32 : 16;
+    static constexpr int kDQRowGroups = kBlockM / kDQRows;
     static constexpr int kDQColGroups = kNWarps / kDQRowGroups;
     static constexpr int kDQCols = kDSlice / kDQColGroups;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
     using Smem = SwizzledRows<kHeadDim>;  // layout of the K, V, Q and dO tiles
-    static constexpr int kDSStride = kBlockM + 8;
-    static constexpr int kMN = kBlockM / 8;        // n8 tiles of Sᵀ (over queries)
-    static constexpr int kDN = kDSlice / 8;        // n8 tiles of dK/dV
-    static_assert(kDSlice % 16 == 0 && kDQCols % 16 == 0, "column tiles are multiples of 16");
+    using PSmem = PaddedRows<kBlockM>;     // layout of the Pᵀ and dSᵀ tiles: [key][query]
+    static_assert(kNWarps % 2 == 0 && kWarpQ % 16 == 0 && kWarpD % 16 == 0 && kDQCols % 16 == 0,
+                  "warp tiles are multiples of 16");
     static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");
 };
 
 // B fragments are loaded this many (kk, n-pair) steps ahead of their MMAs: with two warps per
-// scheduler, one step's two MMAs are too short to hide an ldmatrix (the "short scoreboard"
-// stall that ncu showed dominating this kernel with a ring of 2).
+// scheduler, one step's MMAs are too short to hide an ldmatrix (the "short scoreboard" stall that
+// ncu showed dominating this kernel with a ring of 2).
 constexpr int kBRing = 4;
 
-// C[16 x kCols] += A(16 rows at a_addr, k = kK) · B where B's rows are the n index (non-transposed
-// ldmatrix, as Q·Kᵀ in the forward); both tiles in layout Smem. A is loaded one k-step ahead, B
-// kBRing - 1 steps ahead.
-template <typename Element, typename Smem, int kK, int kNTiles>
-__device__ __forceinline__ void gemm_a_smem_bt(float (&c)[kNTiles][4], uint32_t a_addr, uint32_t b_addr, int lane) {
+// C[kMI m16 tiles][kNTiles n8 tiles] += A · B, both from shared memory. A is m x k: stored [m][k]
+// (kTransA false) or [k][m] (true), starting at a_addr. B is k x n: stored [n][k] (kTransB false,
+// as Kᵀ in Q·Kᵀ) or [k][n] (true, as V in P·V), from its 16-byte chunk b_chunk (even) on. A is
+// loaded one k-step ahead, B kBRing - 1 (k, n-pair) steps ahead.
+template <typename Element, typename LayoutA, bool kTransA, typename LayoutB, bool kTransB, int kMI, int kK,
+          int kNTiles>
+__device__ __forceinline__ void gemm_ss(float (&c)[kMI][kNTiles][4], uint32_t a_addr, uint32_t b_addr,
+                                        int b_chunk, int lane) {
     constexpr int kKSteps = kK / 16;
     constexpr int kNPairs = kNTiles / 2;
     constexpr int kSteps = kKSteps * kNPairs;
-    uint32_t const a_base = a_addr + Smem::offset(lane % 16, lane / 16);
-    uint32_t const b_base = b_addr + Smem::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-    auto b_at = [&](int t) { return Smem::step(b_base, 2 * (t / kNPairs)) + (t % kNPairs) * 16 * Smem::kRowBytes; };
-    uint32_t a[2][4], b[kBRing][4];
-    ldmatrix_x4(a[0], a_base);
+    static_assert(kNTiles % 2 == 0, "n tiles come in pairs");
+    // ldmatrix lane -> (row, chunk) of its 8x8 matrix. A fragments are [m 0-7 | 8-15] x [k 0-7 | 8-15]
+    // in the order (m lo, k lo), (m hi, k lo), (m lo, k hi), (m hi, k hi); B pairs two n8 tiles.
+    uint32_t const a_base = kTransA ? a_addr + LayoutA::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2)
+                                    : a_addr + LayoutA::offset(lane % 16, lane / 16);
+    uint32_t const b_base = kTransB ? b_addr + LayoutB::offset(((lane / 8) % 2) * 8 + lane % 8, lane / 16)
+                                    : b_addr + LayoutB::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    auto load_a = [&](uint32_t (&a)[kMI][4], int kk) {
 #pragma unroll
-    for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4(b[t], b_at(t));
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-        if (kk + 1 < kKSteps) ldmatrix_x4(a[(kk + 1) % 2], Smem::step(a_base, 2 * (kk + 1)));
-#pragma unroll
-        for (int nj = 0; nj < kNPairs; ++nj) {
-            int const t = kk * kNPairs + nj;
-            if (t + kBRing - 1 < kSteps) ldmatrix_x4(b[(t + kBRing - 1) % kBRing], b_at(t + kBRing - 1));
-            mma_16816<Element>(c[2 * nj], a[kk % 2], b[t % kBRing][0], b[t % kBRing][1]);
-            mma_16816<Element>(c[2 * nj + 1], a[kk % 2], b[t % kBRing][2], b[t % kBRing][3]);
+        for (int mi = 0; mi < kMI; ++mi) {
+            if constexpr (kTransA) {
+                ldmatrix_x4_trans(a[mi], LayoutA::step(a_base, 2 * mi) + kk * 16 * LayoutA::kRowBytes);
+            } else {
+                ldmatrix_x4(a[mi], LayoutA::step(a_base, 2 * kk) + mi * 16 * LayoutA::kRowBytes);
+            }
         }
-    }
-}
-
-// C[16 x kNTiles*8] += A · B with A from registers (kK/16 fragments) and B's rows the k index
-// (transposed ldmatrix, as P·V in the forward): the tile at b_addr in layout Smem, from its 16-byte
-// column chunk col_chunk (even) on. B is loaded kBRing - 1 steps ahead.
-template <typename Element, typename Smem, int kK, int kNTiles>
-__device__ __forceinline__ void gemm_a_reg_b(float (&c)[kNTiles][4], const uint32_t (&a)[kK / 16][4],
-                                             uint32_t b_addr, int col_chunk, int lane) {
-    constexpr int kKSteps = kK / 16;
-    constexpr int kNPairs = kNTiles / 2;
-    constexpr int kSteps = kKSteps * kNPairs;
-    uint32_t const b_base = b_addr + Smem::offset(((lane / 8) % 2) * 8 + lane % 8, lane / 16);
-    auto b_at = [&](int t) {
-        return Smem::step(b_base, col_chunk + 2 * (t % kNPairs)) + (t / kNPairs) * 16 * Smem::kRowBytes;
     };
-    uint32_t b[kBRing][4];
+    auto load_b = [&](uint32_t (&b)[4], int t) {
+        int const kk = t / kNPairs, nj = t % kNPairs;
+        if constexpr (kTransB) {
+            ldmatrix_x4_trans(b, LayoutB::step(b_base, b_chunk + 2 * nj) + kk * 16 * LayoutB::kRowBytes);
+        } else {
+            ldmatrix_x4(b, LayoutB::step(b_base, b_chunk + 2 * kk) + nj * 16 * LayoutB::kRowBytes);
+        }
+    };
+    uint32_t a[2][kMI][4], b[kBRing][4];
+    load_a(a[0], 0);
 #pragma unroll
-    for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) ldmatrix_x4_trans(b[t], b_at(t));
+    for (int t = 0; t < kBRing - 1 && t < kSteps; ++t) load_b(b[t], t);
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
+        if (kk + 1 < kKSteps) load_a(a[(kk + 1) % 2], kk + 1);
 #pragma unroll
         for (int nj = 0; nj < kNPairs; ++nj) {
             int const t = kk * kNPairs + nj;
-            if (t + kBRing - 1 < kSteps) ldmatrix_x4_trans(b[(t + kBRing - 1) % kBRing], b_at(t + kBRing - 1));
-            mma_16816<Element>(c[2 * nj], a[kk], b[t % kBRing][0], b[t % kBRing][1]);
-            mma_16816<Element>(c[2 * nj + 1], a[kk], b[t % kBRing][2], b[t % kBRing][3]);
-        }
-    }
-}
-
-// The m16n8 accumulators of 2*kK/16 adjacent n8 tiles as m16k16 A fragments (see the forward).
-template <typename Element, int kTiles>
-__device__ __forceinline__ void to_a_fragments(uint32_t (&a)[kTiles / 2][4], const float (&c)[kTiles][4]) {
+            if (t + kBRing - 1 < kSteps) load_b(b[(t + kBRing - 1) % kBRing], t + kBRing - 1);
 #pragma unroll
-    for (int kk = 0; kk < kTiles / 2; ++kk) {
-        a[kk][0] = Element::pack2(c[2 * kk][0], c[2 * kk][1]);
-        a[kk][1] = Element::pack2(c[2 * kk][2], c[2 * kk][3]);
-        a[kk][2] = Element::pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-        a[kk][3] = Element::pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+            for (int mi = 0; mi < kMI; ++mi) {
+                mma_16816<Element>(c[mi][2 * nj], a[kk % 2][mi], b[t % kBRing][0], b[t % kBRing][1]);
+                mma_16816<Element>(c[mi][2 * nj + 1], a[kk % 2][mi], b[t % kBRing][2], b[t % kBRing][3]);
+            }
+        }
     }
 }
 
 // What softmax_backward needs of the step besides S and dP.
 struct SoftmaxBwdArgs {
-    const float* lse;  // the step's LSE and D rows (shared memory)
+    const float* lse;  // the warp's LSE and D columns (shared memory; this thread's are + 2 * (lane % 4))
     const float* dsum;
-    int key;           // this thread's first key row (the second is key + 8)
-    int query;         // this thread's first query column (q0 + 2 * (lane % 4); tile mi adds 8 * mi)
+    int key;           // this thread's first key row (tile mi adds 16 mi, the second half 8)
+    int query;         // this thread's first query column (tile ni adds 8 ni)
     int diag;          // seqlen_k - seqlen_q
     int seqlen_k;
     float slope;       // ALiBi slope (already scaled), if kAlibi
-    uint64_t keep_bits;  // dropout: bit (mi * 2 + column) * 2 + half (4 per n8 tile, kMN <= 16)
+    uint64_t keep_bits;  // dropout: bit ((mi * kMN + ni) * 2 + column) * 2 + half
 };
 
-// Sᵀ -> Pᵀ (what dV takes) and dPᵀ -> dSᵀ, in place, for one warp's 16 keys x kBlockM queries.
+// Sᵀ -> Pᵀ (what dV takes) and dPᵀ -> dSᵀ, in place, for one warp's 32 keys x kWarpQ queries.
 template <typename Tr, bool kNeedMask, bool kAlibi>
-__device__ __forceinline__ void softmax_backward(float (&st)[Tr::kMN][4], float (&dpt)[Tr::kMN][4],
+__device__ __forceinline__ void softmax_backward(float (&st)[2][Tr::kMN][4], float (&dpt)[2][Tr::kMN][4],
                                                  const SoftmaxBwdArgs& a, const BwdParams& params) {
     constexpr bool kMasked = Tr::kMask != Mask::None;
     int const lane = threadIdx.x % 32;
 #pragma unroll
-    for (int mi = 0; mi < Tr::kMN; ++mi) {
+    for (int ni = 0; ni < Tr::kMN; ++ni) {
         // This thread's two query columns of the tile: one 8-byte load each for LSE and D.
         // A row that saw no key has lse -inf and probabilities 0: +inf makes exp2 give 0.
-        float2 const lse2 = *reinterpret_cast<const float2*>(a.lse + mi * 8 + 2 * (lane % 4));
-        float2 const dsum2 = *reinterpret_cast<const float2*>(a.dsum + mi * 8 + 2 * (lane % 4));
+        float2 const lse2 = *reinterpret_cast<const float2*>(a.lse + ni * 8 + 2 * (lane % 4));
+        float2 const dsum2 = *reinterpret_cast<const float2*>(a.dsum + ni * 8 + 2 * (lane % 4));
         float const lse_log2[2] = {lse2.x == -kInfinity ? kInfinity : lse2.x * 1.4426950408889634f,
                                    lse2.y == -kInfinity ? kInfinity : lse2.y * 1.4426950408889634f};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int const key = a.key + 8 * (e / 2);
-            int const query = a.query + mi * 8 + (e % 2);
-            float const dsum = e % 2 ? dsum2.y : dsum2.x;
-            float s = st[mi][e];
-            float dtanh = 1.f;
-            if constexpr (Tr::kSoftcap) {
-                float const t_ = tanh_accurate(s * params.softcap_scale);
-                s = params.softcap * t_;
-                dtanh = 1.f - t_ * t_;
-            }
-            if constexpr (kAlibi) {
-                int const rel = query + a.diag - key;
-                s -= a.slope * float(rel < 0 ? -rel : rel);
-            }
-            float p = exp2_approx(s * params.scale_log2 - lse_log2[e % 2]);
-            if constexpr (kNeedMask) {
-                // Keys past seqlen_k are zero rows, masked anyway: exp(0 - lse) overflows when lse
-                // is very negative, and inf times a zero K row is NaN.
-                bool masked = key >= a.seqlen_k;
-                if constexpr (kMasked) masked |= key > query + a.diag + params.window_right;
-                if constexpr (Tr::kMask == Mask::Local) masked |= key < query + a.diag - params.window_left;
-                p = masked ? 0.f : p;
-            }
-            // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
-            // the same way before the softmax's backward.
-            if constexpr (Tr::kDropout) {
-                bool const kept = (a.keep_bits >> ((mi * 2 + e % 2) * 2 + e / 2)) & 1ull;
-                float const rp = params.rp_dropout;
-                st[mi][e] = kept ? p * rp : 0.f;
-                dpt[mi][e] = p * ((kept ? dpt[mi][e] * rp : 0.f) - dsum) * dtanh;  // dSᵀ in raw-score units / scale
-            } else {
-                st[mi][e] = p;
-                dpt[mi][e] = p * (dpt[mi][e] - dsum) * dtanh;
+        for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int const key = a.key + mi * 16 + 8 * (e / 2);
+                int const query = a.query + ni * 8 + (e % 2);
+                float const dsum = e % 2 ? dsum2.y : dsum2.x;
+                float s = st[mi][ni][e];
+                float dtanh = 1.f;
+                if constexpr (Tr::kSoftcap) {
+                    float const t_ = tanh_accurate(s * params.softcap_scale);
+                    s = params.softcap * t_;
+                    dtanh = 1.f - t_ * t_;
+                }
+                if constexpr (kAlibi) {
+                    int const rel = query + a.diag - key;
+                    s -= a.slope * float(rel < 0 ? -rel : rel);
+                }
+                float p = exp2_approx(s * params.scale_log2 - lse_log2[e % 2]);
+                if constexpr (kNeedMask) {
+                    // Keys past seqlen_k are zero rows, masked anyway: exp(0 - lse) overflows when
+                    // lse is very negative, and inf times a zero K row is NaN.
+                    bool masked = key >= a.seqlen_k;
+                    if constexpr (kMasked) masked |= key > query + a.diag + params.window_right;
+                    if constexpr (Tr::kMask == Mask::Local) masked |= key < query + a.diag - params.window_left;
+                    p = masked ? 0.f : p;
+                }
+                // With dropout, O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled
+                // the same way before the softmax's backward.
+                if constexpr (Tr::kDropout) {
+                    bool const kept = (a.keep_bits >> (((mi * Tr::kMN + ni) * 2 + e % 2) * 2 + e / 2)) & 1ull;
+                    float const rp = params.rp_dropout;
+                    st[mi][ni][e] = kept ? p * rp : 0.f;
+                    // dSᵀ in raw-score units / scale
+                    dpt[mi][ni][e] = p * ((kept ? dpt[mi][ni][e] * rp : 0.f) - dsum) * dtanh;
+                } else {
+                    st[mi][ni][e] = p;
+                    dpt[mi][ni][e] = p * (dpt[mi][ni][e] - dsum) * dtanh;
+                }
             }
         }
     }
@@ -208,11 +221,14 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     T* sV = sK + kBlockN * kStride;
     T* sQ0 = sV + kBlockN * kStride;        // stage s: sQ0 + s * kBlockM * kStride
     T* sdO0 = sQ0 + kStages * kBlockM * kStride;
-    T* sdS = sdO0 + kStages * kBlockM * kStride;  // dSᵀ: [key][query]
-    float* sLSE0 = reinterpret_cast<float*>(sdS + kBlockN * Tr::kDSStride);  // stage s: + s * kBlockM
+    using PSmem = typename Tr::PSmem;
+    unsigned char* sPt = reinterpret_cast<unsigned char*>(sdO0 + kStages * kBlockM * kStride);  // Pᵀ: [key][query]
+    unsigned char* sdSt = sPt + kBlockN * PSmem::kRowBytes;                                      // dSᵀ: [key][query]
+    float* sLSE0 = reinterpret_cast<float*>(sdSt + kBlockN * PSmem::kRowBytes);  // stage s: + s * kBlockM
     float* sD0 = sLSE0 + kStages * kBlockM;
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int const warp_n = warp / 2, warp_m = warp % 2;  // see BwdTraits
     // blockIdx.x enumerates (key block, head-dim slice), slices fastest: the grid's y holds only
     // the KV heads (within CUDA's 65535), and lower key blocks still launch first.
     int const n_block = int(blockIdx.x) / Tr::kDSlices;
@@ -271,23 +287,29 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     }));
     cp_async_commit();
 
-    float acc_dk[Tr::kDN][4], acc_dv[Tr::kDN][4];
+    float acc_dk[2][Tr::kDN][4], acc_dv[2][Tr::kDN][4];  // this warp's 32 keys x kWarpD columns
 #pragma unroll
-    for (int i = 0; i < Tr::kDN; ++i)
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+        for (int i = 0; i < Tr::kDN; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[mi][i][e] = acc_dv[mi][i][e] = 0.f;
 
-    // This thread's Sᵀ rows (keys); its query columns are 2 * (lane % 4) + {0, 1} of each n8 tile.
-    int const key_row[2] = {key0 + warp * 16 + lane / 4, key0 + warp * 16 + lane / 4 + 8};
-    uint32_t const sK_warp = smem_u32(sK + warp * 16 * kStride);
-    uint32_t const sV_warp = smem_u32(sV + warp * 16 * kStride);
+    // This thread's first Sᵀ row (key; tile mi adds 16 mi, the second half 8); its query columns are
+    // 2 * (lane % 4) + {0, 1} of each n8 tile.
+    int const key_row = key0 + warp_n * 32 + lane / 4;
+    uint32_t const sK_warp = smem_u32(sK + warp_n * 32 * kStride);
+    uint32_t const sV_warp = smem_u32(sV + warp_n * 32 * kStride);
+    uint32_t const sPt_warp = smem_u32(sPt) + warp_n * 32 * PSmem::kRowBytes;
+    uint32_t const sdSt_warp = smem_u32(sdSt) + warp_n * 32 * PSmem::kRowBytes;
+    int const dkv_chunk = (col0 + warp_m * Tr::kWarpD) / 8;  // first 16-byte chunk of this warp's dK/dV columns
     constexpr uint32_t kRowStageBytes = kBlockM * Smem::kRowBytes;
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
     int* semaphores = reinterpret_cast<int*>(params.semaphore_ptr);
     // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
-    int const dq_row0 = (warp % Tr::kDQRowGroups) * 16;
+    int const dq_row0 = (warp % Tr::kDQRowGroups) * Tr::kDQRows;
     int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
 
     // Steps enumerate (query head of the group, query block). Step t's Q, dO, LSE and D rows go
@@ -346,37 +368,45 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         __syncthreads();  // Q, dO (and K, V) landed; LSE, D written; the last step's dS reads done
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
-        float st[Tr::kMN][4], dpt[Tr::kMN][4];
+        float st[2][Tr::kMN][4], dpt[2][Tr::kMN][4];
 #pragma unroll
-        for (int i = 0; i < Tr::kMN; ++i)
+        for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
-        gemm_a_smem_bt<Element, Smem, Tr::kHeadDim, Tr::kMN>(st, sK_warp, sQ_addr, lane);
-        gemm_a_smem_bt<Element, Smem, Tr::kHeadDim, Tr::kMN>(dpt, sV_warp, sdO_addr, lane);
+            for (int i = 0; i < Tr::kMN; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[mi][i][e] = dpt[mi][i][e] = 0.f;
+        uint32_t const q_rows = warp_m * Tr::kWarpQ * Smem::kRowBytes;  // this warp's queries
+        gemm_ss<Element, Smem, false, Smem, false, 2, Tr::kHeadDim, Tr::kMN>(st, sK_warp, sQ_addr + q_rows, 0, lane);
+        gemm_ss<Element, Smem, false, Smem, false, 2, Tr::kHeadDim, Tr::kMN>(dpt, sV_warp, sdO_addr + q_rows, 0, lane);
 
-        // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of the warp's
-        // 16, one 16-key chunk) and query columns; bit (mi * 2 + column) * 2 + half.
+        // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of each of the
+        // warp's two 16-key chunks) and query columns; bit ((mi * kMN + ni) * 2 + column) * 2 + half.
+        int const query_col = q0 + warp_m * Tr::kWarpQ + 2 * (lane % 4);  // this thread's first query
         uint64_t keep_bits = ~0ull;
-        static_assert(Tr::kMN <= 16, "keep bits: 4 per n8 tile of queries fit 64 bits");
+        static_assert(Tr::kMN <= 8, "keep bits: 8 per n8 tile of queries fit 64 bits");
         if constexpr (Tr::kDropout) {
             keep_bits = 0;
             uint32_t const bh = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh);
 #pragma unroll
-            for (int mi = 0; mi < Tr::kMN; ++mi)
+            for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    uint4 const bytes = dropout.chunk(bh, q0 + mi * 8 + 2 * (lane % 4) + c, (key0 + warp * 16) / 16);
+                for (int ni = 0; ni < Tr::kMN; ++ni)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        keep_bits |= uint64_t(dropout.keep(bytes, lane / 4 + 8 * half)) << ((mi * 2 + c) * 2 + half);
-                }
+                    for (int c = 0; c < 2; ++c) {
+                        uint4 const bytes = dropout.chunk(bh, query_col + ni * 8 + c, (key0 + warp_n * 32 + mi * 16) / 16);
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            keep_bits |= uint64_t(dropout.keep(bytes, lane / 4 + 8 * half))
+                                         << (((mi * Tr::kMN + ni) * 2 + c) * 2 + half);
+                    }
         }
         bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
             q0 + diag + params.window_right < key0 + kBlockN - 1 ||
             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > key0)));
         // P and dS from S and dP, instantiated per (mask needed, ALiBi): a block without either
         // issues none of their instructions (predicated-off code still takes issue slots).
-        auto const ctx = SoftmaxBwdArgs{sLSE, sD, key_row[0], q0 + 2 * (lane % 4), diag, seqlen_k, slope, keep_bits};
+        auto const ctx = SoftmaxBwdArgs{sLSE + warp_m * Tr::kWarpQ, sD + warp_m * Tr::kWarpQ, key_row, query_col,
+                                        diag, seqlen_k, slope, keep_bits};
         if (need_mask) {
             if (slopes != nullptr) softmax_backward<Tr, true, true>(st, dpt, ctx, params);
             else softmax_backward<Tr, true, false>(st, dpt, ctx, params);
@@ -385,43 +415,40 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
             else softmax_backward<Tr, false, false>(st, dpt, ctx, params);
         }
 
-        uint32_t pt[Tr::kMN / 2][4], dst[Tr::kMN / 2][4];
-        to_a_fragments<Element, Tr::kMN>(pt, st);
-        to_a_fragments<Element, Tr::kMN>(dst, dpt);
-        // dSᵀ to shared memory from its packed fragments: fragment kk holds n8 tiles 2kk (regs 0,
-        // 1) and 2kk + 1 (regs 2, 3), rows lane / 4 (even regs) and + 8 (odd regs).
+        // Pᵀ and dSᵀ to shared memory, [key][query]: element (row lane / 4 + 8 half of tile mi,
+        // columns 2 (lane % 4) + {0, 1} of tile ni) of this warp's block.
 #pragma unroll
-        for (int kk = 0; kk < Tr::kMN / 2; ++kk) {
+        for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int const row = warp * 16 + lane / 4 + (r % 2) * 8;
-                int const col = (2 * kk + r / 2) * 8 + 2 * (lane % 4);
-                *reinterpret_cast<uint32_t*>(sdS + row * Tr::kDSStride + col) = dst[kk][r];
-            }
-        }
-        gemm_a_reg_b<Element, Smem, kBlockM, Tr::kDN>(acc_dv, pt, sdO_addr, col0 / 8, lane);
-        gemm_a_reg_b<Element, Smem, kBlockM, Tr::kDN>(acc_dk, dst, sQ_addr, col0 / 8, lane);
-        __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D; all of dSᵀ is written
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int ni = 0; ni < Tr::kMN; ++ni) {
+                    uint32_t const at = PSmem::offset(warp_n * 32 + mi * 16 + lane / 4 + 8 * half,
+                                                      (warp_m * Tr::kWarpQ) / 8 + ni) + 4 * (lane % 4);
+                    *reinterpret_cast<uint32_t*>(sPt + at) =
+                        Element::pack2(st[mi][ni][2 * half], st[mi][ni][2 * half + 1]);
+                    *reinterpret_cast<uint32_t*>(sdSt + at) =
+                        Element::pack2(dpt[mi][ni][2 * half], dpt[mi][ni][2 * half + 1]);
+                }
+        __syncthreads();  // all of Pᵀ and dSᵀ written
+        // dV += Pᵀ·dO and dK += dSᵀ·Q over all the step's queries, for this warp's keys and columns.
+        gemm_ss<Element, PSmem, false, Smem, true, 2, kBlockM, Tr::kDN>(acc_dv, sPt_warp, sdO_addr, dkv_chunk, lane);
+        gemm_ss<Element, PSmem, false, Smem, true, 2, kBlockM, Tr::kDN>(acc_dk, sdSt_warp, sQ_addr, dkv_chunk, lane);
+        __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D
         issue_step(t + kStages);
 
-        // dQ tile of this warp = dS (its 16 queries x all keys) · K (all keys x its columns).
-        float acc_dq[Tr::kDQCols / 8][4];
+        // dQ tile of this warp = dS (its kDQRows queries x all keys, read transposed from dSᵀ) · K
+        // (all keys x its columns).
+        constexpr int kDQMI = Tr::kDQRows / 16;
+        float acc_dq[kDQMI][Tr::kDQCols / 8][4];
 #pragma unroll
-        for (int i = 0; i < Tr::kDQCols / 8; ++i)
+        for (int mi = 0; mi < kDQMI; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
-        {
-            // A = dS read transposed from dSᵀ: octet j of the lanes addresses key rows (j / 2) * 8..
-            // and query columns (j % 2) * 8.. of each 16 x 16 step.
-            uint32_t a[kBlockN / 16][4];
-            uint32_t const a_base = smem_u32(sdS) +
-                (((lane / 16) * 8 + lane % 8) * Tr::kDSStride + dq_row0 + ((lane / 8) % 2) * 8) * 2;
+            for (int i = 0; i < Tr::kDQCols / 8; ++i)
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                ldmatrix_x4_trans(a[kk], a_base + kk * 16 * Tr::kDSStride * 2);
-            }
-            gemm_a_reg_b<Element, Smem, kBlockN, Tr::kDQCols / 8>(acc_dq, a, smem_u32(sK), dq_col0 / 8, lane);
-        }
+                for (int e = 0; e < 4; ++e) acc_dq[mi][i][e] = 0.f;
+        gemm_ss<Element, PSmem, true, Smem, true, kDQMI, kBlockN, Tr::kDQCols / 8>(
+            acc_dq, smem_u32(sdSt) + dq_row0 * 2, smem_u32(sK), dq_col0 / 8, lane);
         // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
         int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
         int* sem = semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
@@ -441,40 +468,43 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         // halves so that the even lane holds 4 consecutive columns of row lane / 4 and the odd
         // lane the same 4 columns of row lane / 4 + 8 (columns 4 * ((lane % 4) / 2) of the tile).
         // head_dim is a multiple of 8 and dq_accum rows are head_dim floats: 16-byte aligned.
-        {
+#pragma unroll
+        for (int mi = 0; mi < kDQMI; ++mi) {
             bool const odd = lane % 2;
-            int const query = q0 + dq_row0 + lane / 4 + (odd ? 8 : 0);
+            int const query = q0 + dq_row0 + mi * 16 + lane / 4 + (odd ? 8 : 0);
             float* dq_row = dq_accum + (row_stats + query) * head_dim;
 #pragma unroll
             for (int di = 0; di < Tr::kDQCols / 8; ++di) {
-                float const send0 = odd ? acc_dq[di][0] : acc_dq[di][2];
-                float const send1 = odd ? acc_dq[di][1] : acc_dq[di][3];
+                float const send0 = odd ? acc_dq[mi][di][0] : acc_dq[mi][di][2];
+                float const send1 = odd ? acc_dq[mi][di][1] : acc_dq[mi][di][3];
                 float const got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
                 float const got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
                 int const col = dq_col0 + di * 8 + 4 * ((lane % 4) / 2);
                 if (query < seqlen_q && col < head_dim) {
-                    float4 const v = odd ? make_float4(got0, got1, acc_dq[di][2], acc_dq[di][3])
-                                         : make_float4(acc_dq[di][0], acc_dq[di][1], got0, got1);
+                    float4 const v = odd ? make_float4(got0, got1, acc_dq[mi][di][2], acc_dq[mi][di][3])
+                                         : make_float4(acc_dq[mi][di][0], acc_dq[mi][di][1], got0, got1);
                     red_add_v4(dq_row + col, v);
                 }
             }
         }
 #else
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            int const query = q0 + dq_row0 + lane / 4 + half * 8;
-            if (query < seqlen_q) {
-                float* dq_row = dq_accum + (row_stats + query) * head_dim;
+        for (int mi = 0; mi < kDQMI; ++mi)
 #pragma unroll
-                for (int di = 0; di < Tr::kDQCols / 8; ++di) {
-                    int const col = dq_col0 + di * 8 + 2 * (lane % 4);
-                    if (col < head_dim) {
-                        atomicAdd(dq_row + col, acc_dq[di][2 * half]);
-                        atomicAdd(dq_row + col + 1, acc_dq[di][2 * half + 1]);
+            for (int half = 0; half < 2; ++half) {
+                int const query = q0 + dq_row0 + mi * 16 + lane / 4 + half * 8;
+                if (query < seqlen_q) {
+                    float* dq_row = dq_accum + (row_stats + query) * head_dim;
+#pragma unroll
+                    for (int di = 0; di < Tr::kDQCols / 8; ++di) {
+                        int const col = dq_col0 + di * 8 + 2 * (lane % 4);
+                        if (col < head_dim) {
+                            atomicAdd(dq_row + col, acc_dq[mi][di][2 * half]);
+                            atomicAdd(dq_row + col + 1, acc_dq[mi][di][2 * half + 1]);
+                        }
                     }
                 }
             }
-        }
 #endif
         if (semaphores != nullptr) {
             __threadfence();
@@ -489,21 +519,24 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride +
                  k_offset * params.dv_row_stride + bidh_kv * params.dv_head_stride;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        int const key = key_row[half];
-        if (key < seqlen_k) {
+    for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-            for (int di = 0; di < Tr::kDN; ++di) {
-                int const col = col0 + di * 8 + 2 * (lane % 4);
-                if (col < head_dim) {
-                    *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) = Element::pack2(
-                        acc_dk[di][2 * half] * params.softmax_scale, acc_dk[di][2 * half + 1] * params.softmax_scale);
-                    *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
-                        Element::pack2(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+            int const key = key_row + mi * 16 + 8 * half;
+            if (key < seqlen_k) {
+#pragma unroll
+                for (int di = 0; di < Tr::kDN; ++di) {
+                    int const col = dkv_chunk * 8 + di * 8 + 2 * (lane % 4);
+                    if (col < head_dim) {
+                        *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
+                            Element::pack2(acc_dk[mi][di][2 * half] * params.softmax_scale,
+                                           acc_dk[mi][di][2 * half + 1] * params.softmax_scale);
+                        *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
+                            Element::pack2(acc_dv[mi][di][2 * half], acc_dv[mi][di][2 * half + 1]);
+                    }
                 }
             }
         }
-    }
 }
 
 }  // namespace flashgen
