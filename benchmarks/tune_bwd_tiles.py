@@ -16,11 +16,13 @@ import flashgen
 from flashgen.generator import cache, tiles
 from flashgen.runtime import backward, launch
 
-# (warps, block_m, d_slices, most Q/dO stages): bwd_tile gives each the most stages that fit.
+# (warps, block_m, d_slices, most Q/dO stages, 32-key warp groups or 0 for warps / 2): bwd_tile
+# gives each the most stages that fit.
 CANDIDATES = {
-    64: [(8, 128, 1, 2), (8, 64, 1, 2), (8, 128, 1, 1)],
-    128: [(8, 64, 1, 2), (8, 64, 1, 1), (4, 64, 1, 2)],
-    256: [(4, 64, 2, 2), (4, 64, 2, 1)],
+    64: [(8, 128, 1, 2, 0), (8, 64, 1, 2, 0), (8, 128, 1, 2, 2)],
+    128: [(8, 64, 1, 2, 0), (8, 64, 1, 1, 0), (8, 64, 1, 2, 2), (8, 128, 1, 2, 2)],
+    192: [(4, 64, 2, 2, 0), (8, 64, 1, 2, 2)],
+    256: [(4, 64, 2, 2, 0), (8, 64, 1, 2, 2), (8, 64, 1, 1, 2)],
 }
 
 
@@ -44,16 +46,16 @@ def main() -> None:
     table, max_stages = tiles._BWD_SM80_LARGE, tiles.BWD_MAX_STAGES
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         original = table[head_dim]
-        for (warps, block_m, slices, stages), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
-            table[head_dim] = tiles.BwdTile(warps, block_m, slices)
+        for (warps, block_m, slices, stages, groups), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
+            table[head_dim] = tiles.BwdTile(warps, block_m, slices, key_groups=groups)
             tiles.BWD_MAX_STAGES = stages
             launch._loaded.clear()  # the memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
             backward.plan_bwd.cache_clear()
             try:
                 tflops = measure(head_dim, causal, args.seqlen)
-                print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} slices {slices}: "
-                      f"stages<={stages}: {tflops:6.1f} TFLOP/s", flush=True)
+                print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} N{table[head_dim].block_n} "
+                      f"slices {slices} stages<={stages}: {tflops:6.1f} TFLOP/s", flush=True)
             except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
                 print(f"bwd d{head_dim} causal={int(causal)} warps {warps}: failed: {exc}", flush=True)
         table[head_dim] = original

@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 flash_bwd_sm80_hdim128_bf16_dropout_sm90a(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/128, /*kNWarps=*/8,
-        /*kBlockM=*/64, /*kDSlices=*/1,
+        /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::None,
         /*kSoftcap=*/false, /*kDropout=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);

@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(128, 1)
 flash_bwd_sm80_hdim128_fp16_causal_sm86(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/128, /*kNWarps=*/4,
-        /*kBlockM=*/64, /*kDSlices=*/1,
+        /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);

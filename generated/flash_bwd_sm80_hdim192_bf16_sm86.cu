@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(64, 1)
 flash_bwd_sm80_hdim192_bf16_sm86(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/192, /*kNWarps=*/2,
-        /*kBlockM=*/32, /*kDSlices=*/2,
+        /*kBlockN=*/32, /*kBlockM=*/32, /*kDSlices=*/2,
         /*kStages=*/2, flashgen::Mask::None,
         /*kSoftcap=*/false, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);

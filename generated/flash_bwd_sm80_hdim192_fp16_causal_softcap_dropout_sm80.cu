@@ -3,11 +3,11 @@
 #include "flash_params.cuh"
 #include "bwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __launch_bounds__(256, 1)
 flash_bwd_sm80_hdim192_fp16_causal_softcap_dropout_sm80(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
-        flashgen::half_t, /*kHeadDim=*/192, /*kNWarps=*/4,
-        /*kBlockM=*/64, /*kDSlices=*/2,
+        flashgen::half_t, /*kHeadDim=*/192, /*kNWarps=*/8,
+        /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kDropout=*/true>;
     flashgen::flash_bwd_sm80<Traits>(params);

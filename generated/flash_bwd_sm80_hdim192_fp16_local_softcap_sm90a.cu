@@ -3,11 +3,11 @@
 #include "flash_params.cuh"
 #include "bwd_sm80.cuh"
 
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __launch_bounds__(256, 1)
 flash_bwd_sm80_hdim192_fp16_local_softcap_sm90a(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
-        flashgen::half_t, /*kHeadDim=*/192, /*kNWarps=*/4,
-        /*kBlockM=*/64, /*kDSlices=*/2,
+        flashgen::half_t, /*kHeadDim=*/192, /*kNWarps=*/8,
+        /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);

@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 flash_bwd_sm80_hdim96_fp16_causal_softcap_sm80(const __grid_constant__ flashgen::BwdParams params) {
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/96, /*kNWarps=*/8,
-        /*kBlockM=*/64, /*kDSlices=*/1,
+        /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kDropout=*/false>;
     flashgen::flash_bwd_sm80<Traits>(params);

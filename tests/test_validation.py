@@ -508,14 +508,16 @@ def _accepted_on_cpu(q_shape, k_shape) -> None:
         flashgen.flash_attn_func(q, k, k)
 
 
-def test_backward_grid_holds_65535_kv_heads_at_any_head_dim():
-    """Head-dim slices share grid.x with the key blocks, so only the KV heads sit in gridDim.y."""
+@pytest.mark.parametrize("device, d_slices", [((9, 0), 1), ((8, 6), 2)])
+def test_backward_grid_holds_65535_kv_heads_at_any_head_dim(device, d_slices):
+    """Head-dim slices (d256 on 99 KB targets) share grid.x with the key blocks, so only the KV
+    heads sit in gridDim.y."""
     from flashgen.runtime.backward import plan_bwd
 
     _accepted_on_cpu((1, 1, 40000, 256), (1, 1, 40000, 256))
     plan = plan_bwd(dtype="bf16", head_dim=256, batch=1, seqlen_q=1, seqlen_k=1, nheads_k=40000, causal=False,
-                    window_size=(-1, -1), softcap=0.0, device=(9, 0))
-    assert plan.tile.d_slices == 2 and plan.grid == (2, 40000, 1)
+                    window_size=(-1, -1), softcap=0.0, device=device)
+    assert plan.tile.d_slices == d_slices and plan.grid == (d_slices, 40000, 1)
 
 
 def test_pack_gqa_heuristic_packs_when_unpacked_heads_exceed_the_grid():

@@ -61,6 +61,7 @@ def render_instance(spec: KernelSpec) -> str:
             head_dim=spec.head_dim,
             num_warps=tile.num_warps,
             num_threads=tile.num_threads,
+            block_n=tile.block_n,
             block_m=tile.block_m,
             d_slices=tile.d_slices,
             stages=tile.stages,

@@ -131,18 +131,23 @@ ROW_KERNEL_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
-    num_warps: int  # in pairs over 32 keys (bwd_sm80.cuh): the CTA owns 16 * num_warps keys
+    num_warps: int  # in groups over 32 keys each (bwd_sm80.cuh)
     block_m: int    # queries per step
     d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
     stages: int = 1  # Q/dO/LSE/D buffers: with 2, step t + 1's rows load during all of step t
+    key_groups: int = 0  # 32-key warp groups (block_n = 32 * key_groups); 0: num_warps / 2
 
     def __post_init__(self):
-        if self.num_warps % 2 or self.block_m % 32:
-            raise ValueError(f"{self}: warps come in pairs and each owns half of a multiple of 32 queries")
+        if not self.key_groups:
+            object.__setattr__(self, "key_groups", self.num_warps // 2)
+        warps_per_group = self.num_warps // max(self.key_groups, 1)
+        if warps_per_group * self.key_groups != self.num_warps or self.block_m % (16 * warps_per_group):
+            raise ValueError(f"{self}: each 32-key group takes num_warps / key_groups warps, which split "
+                             "block_m into multiples of 16")
 
     @property
     def block_n(self) -> int:
-        return 16 * self.num_warps
+        return 32 * self.key_groups
 
     @property
     def num_threads(self) -> int:
@@ -156,13 +161,16 @@ class BwdTile:
         return rows + ds + 2 * self.block_m * 4 * self.stages
 
 
-# (head_dim) -> backward tile. Eight warps own 128 keys: each Q/dO step and each dQ atomic then
-# serves twice the keys of a 64-key CTA. At d64 the registers left over hold 128-query steps
-# (218 vs 196 TFLOP/s on the H200); above d128 the head dim is split in two for dK/dV/dQ.
-# bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target (one or two
-# measured the same on the H200: benchmarks/tune_bwd_tiles.py).
+# (head_dim) -> backward tile, tuned on the H200 with benchmarks/tune_bwd_tiles.py (bf16, s4096,
+# TFLOP/s non-causal / causal). Up to d128 eight warps own 128 keys in pairs (each Q/dO step and
+# each dQ atomic serves twice the keys of a 64-key CTA); at d64 the registers left over hold
+# 128-query steps (229 / 205 vs 206 / 187 with 64). Above d128 eight warps own 64 keys, four per
+# 32-key group, each with a quarter of the head dim for dK/dV: d256 196 / 182 and d192 192 / 179,
+# against 140 / 138 and 153 / 147 with the head dim split over two 4-warp CTAs (which recompute S
+# and dP). bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target
+# (two are 1-3% faster than one).
 _BWD_SM80_LARGE = {64: BwdTile(8, 128, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
-                   192: BwdTile(4, 64, 2), 256: BwdTile(4, 64, 2)}
+                   192: BwdTile(8, 64, 1, key_groups=2), 256: BwdTile(8, 64, 1, key_groups=2)}
 # With 99 KB (no device to tune on): d96 takes four warps so that Pᵀ and dSᵀ fit next to K, V, Q, dO.
 _BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(4, 64, 1), 128: BwdTile(4, 64, 1),
                    192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}

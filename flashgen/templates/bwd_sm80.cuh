@@ -6,10 +6,10 @@
 // keys (the next step's Q, dO, LSE, D are fetched during this step's dQ product):
 //
 //   load Q(m), dO(m), LSE(m), D(m)   (with two stages: issued a whole step ahead)
-//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (warps 2-D: 32 keys x kBlockM / 2 queries each)
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ            (warps 2-D: 32 keys x a share of the queries each)
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
 //   Pᵀ, dSᵀ -> shared memory
-//   dV += Pᵀ·dO, dK += dSᵀ·Q          (warps 2-D: 32 keys x half the head-dim slice each)
+//   dV += Pᵀ·dO, dK += dSᵀ·Q          (warps 2-D: 32 keys x a share of the head-dim slice each)
 //   dQ(m) += dS·K, added to an fp32 buffer with atomics (16-byte vector reductions on sm_90; in
 //   key-block order under deterministic mode, through a per-row-block semaphore)
 //
@@ -37,8 +37,8 @@ struct PaddedRows {
     static __device__ __forceinline__ uint32_t step(uint32_t base, int chunk) { return base + chunk * 16; }
 };
 
-template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockM_, int kDSlices_, int kStages_, Mask kMask_,
-          bool kSoftcap_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockN_, int kBlockM_, int kDSlices_, int kStages_,
+          Mask kMask_, bool kSoftcap_, bool kDropout_>
 struct BwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -49,14 +49,15 @@ struct BwdTraits {
     static constexpr int kDSlices = kDSlices_;    // dK/dV/dQ columns are split over CTAs
     static constexpr int kDSlice = kHeadDim / kDSlices;
     static constexpr int kStages = kStages_;      // Q/dO/LSE/D buffers (BwdTile.stages)
-    // Warp (warp_n, warp_m) = (warp / 2, warp % 2) owns keys 32 warp_n.. of Sᵀ, dPᵀ, dK and dV, and
-    // half of the step's queries (Sᵀ, dPᵀ) or of the head-dim slice (dK, dV).
-    static constexpr int kWarpsN = kNWarps / 2;
-    static constexpr int kBlockN = 32 * kWarpsN;  // keys (= 16 * kNWarps, BwdTile.block_n)
-    static constexpr int kWarpQ = kBlockM / 2;    // Sᵀ columns (queries) per warp
-    static constexpr int kMN = kWarpQ / 8;        // n8 tiles of a warp's Sᵀ
-    static constexpr int kWarpD = kDSlice / 2;    // dK/dV columns per warp
-    static constexpr int kDN = kWarpD / 8;        // n8 tiles of a warp's dK, dV
+    // Warp (warp_n, warp_m) = (warp / kWarpsM, warp % kWarpsM) owns keys 32 warp_n.. of Sᵀ, dPᵀ, dK
+    // and dV, and a kWarpsM-th of the step's queries (Sᵀ, dPᵀ) and of the head-dim slice (dK, dV).
+    static constexpr int kBlockN = kBlockN_;      // keys
+    static constexpr int kWarpsN = kBlockN / 32;
+    static constexpr int kWarpsM = kNWarps / kWarpsN;
+    static constexpr int kWarpQ = kBlockM / kWarpsM;  // Sᵀ columns (queries) per warp
+    static constexpr int kMN = kWarpQ / 8;            // n8 tiles of a warp's Sᵀ
+    static constexpr int kWarpD = kDSlice / kWarpsM;  // dK/dV columns per warp
+    static constexpr int kDN = kWarpD / 8;            // n8 tiles of a warp's dK, dV
     // dQ(step) = dS · K is split over the warps as kDQRowGroups x kDQColGroups tiles of kDQRows
     // rows: 32 unless the column tiles would then be narrower than 16 (d96).
     static constexpr int kDQRows = kBlockM % 32 == 0 && (kDSlice * (kBlockM / 32) / kNWarps) % 16 == 0 ? 32 : 16;
@@ -68,8 +69,8 @@ struct BwdTraits {
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
     using Smem = SwizzledRows<kHeadDim>;  // layout of the K, V, Q and dO tiles
     using PSmem = PaddedRows<kBlockM>;     // layout of the Pᵀ and dSᵀ tiles: [key][query]
-    static_assert(kNWarps % 2 == 0 && kWarpQ % 16 == 0 && kWarpD % 16 == 0 && kDQCols % 16 == 0,
-                  "warp tiles are multiples of 16");
+    static_assert(kBlockN % 32 == 0 && kWarpsN * kWarpsM == kNWarps, "warps tile the keys in 32-key groups");
+    static_assert(kWarpQ % 16 == 0 && kWarpD % 16 == 0 && kDQCols % 16 == 0, "warp tiles are multiples of 16");
     static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");
 };
 
@@ -228,7 +229,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     float* sD0 = sLSE0 + kStages * kBlockM;
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    int const warp_n = warp / 2, warp_m = warp % 2;  // see BwdTraits
+    int const warp_n = warp / Tr::kWarpsM, warp_m = warp % Tr::kWarpsM;  // see BwdTraits
     // blockIdx.x enumerates (key block, head-dim slice), slices fastest: the grid's y holds only
     // the KV heads (within CUDA's 65535), and lower key blocks still launch first.
     int const n_block = int(blockIdx.x) / Tr::kDSlices;

@@ -15,7 +15,7 @@ What each group reaches (issue 8):
     window leaves empty;
   * paged KV with page sizes 1 and 17, append + rotary (GPT-J and GPT-NeoX), leftpad,
     cache_batch_idx, NaN outside the valid cache range;
-  * backward (dq, dk, dv), GQA, d256 (two head-dim slices), and deterministic mode;
+  * backward (dq, dk, dv), GQA, d256, and deterministic mode;
   * flash_attn_combine, 1 to 256 splits.
 
 Shapes are small (a sanitizer slows kernels 10-100x) and mostly bf16, so that the kernels they need
@@ -167,7 +167,7 @@ def test_sanitize_fwd_num_splits(seqlen_q, seqlen_k, num_splits, mask):
     pytest.param(113, 255, 4, 4, 128, CAUSAL, id="core-sq113-sk255-d128-causal"),
     pytest.param(1023, 17, 4, 4, 64, CAUSAL, id="sq1023-sk17-d64-causal"),  # rows without keys
     pytest.param(1, 1, 4, 4, 64, NONE, id="sq1-sk1-d64-nomask"),
-    pytest.param(255, 1, 4, 4, 200, LOCAL, id="core-sq255-sk1-d200-local33_7"),  # two head-dim slices
+    pytest.param(255, 1, 4, 4, 200, LOCAL, id="core-sq255-sk1-d200-local33_7"),
     pytest.param(113, 300, 8, 2, 256, LOCAL, id="gqa8_2-sq113-sk300-d256-local33_7"),
     pytest.param(300, 113, 8, 1, 128, DIAG, id="mqa8_1-sq300-sk113-d128-local0_0"),
 ])

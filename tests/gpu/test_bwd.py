@@ -153,8 +153,8 @@ def test_bwd_empty_seqlen(seqlen_q, seqlen_k):
 
 def _gqa_cases():
     # dK/dV are summed over each KV head's query heads inside the kernel. The head dim shifts by one
-    # between the groups, so each group meets 64, 128 and 256 (two column slices per KV head) with
-    # a different mask; dtype and seqlens alternate.
+    # between the groups, so each group meets 64, 128 and 256 with a different mask; dtype and
+    # seqlens alternate.
     groups = {"gqa8_2": 2, "mqa8_1": 1}
     for i, ((group, nheads_k), mask) in enumerate(itertools.product(groups.items(), MASKS)):
         head_dim, dtype = (64, 128, 256)[(i + i // 3) % 3], DTYPE_LIST[i % 2]
@@ -333,6 +333,9 @@ def test_bwd_deterministic(nheads, nheads_k, seqlen_q, seqlen_k, head_dim, dtype
 # hung kernel cannot be interrupted in this process.
 _CHILD = """
 import sys, torch, flashgen
+from flashgen.generator import tiles
+if len(sys.argv) > 4:  # a backward tile for the head dim, "warps,block_m,d_slices"
+    tiles._BWD_SM80_LARGE[int(sys.argv[4])] = tiles.BwdTile(*map(int, sys.argv[5].split(",")))
 data = torch.load(sys.argv[1])
 leaves = [data[n].requires_grad_() for n in ("q", "k", "v")]
 out = flashgen.flash_attn_func(*leaves, deterministic=True, **data["kwargs"])
@@ -344,8 +347,9 @@ CHILD_TIMEOUT_S = 90
 
 
 def test_bwd_deterministic_head_dim_slices(tmp_path):
-    """d > 128: two CTAs per key block (one per half of the head dim) both add to dQ under the
-    deterministic ordering, so the ordering must count per slice."""
+    """Head-dim slices (the d256 tile of 99 KB targets, forced here): two CTAs per key block (one
+    per half of the head dim) both add to dQ under the deterministic ordering, so the ordering must
+    count per slice."""
     q, k, v = make_qkv(2, 300, 1023, 8, 2, 256)
     dout = torch.randn_like(q)
     kwargs = {"causal": True}
@@ -354,7 +358,7 @@ def test_bwd_deterministic_head_dim_slices(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     try:
         child = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(PASSES)],
+            [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(PASSES), "256", "4,64,2"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
         )
     except subprocess.TimeoutExpired:
