@@ -13,9 +13,11 @@
 //   dQ(m) += dS·K, added to an fp32 buffer with atomics (16-byte vector reductions on sm_90; in
 //   key-block order under deterministic mode, through a per-row-block semaphore)
 //
-// The kernel is bound by shared-memory reads (ldmatrix), not by the tensor cores: every warp tile
-// is 32 rows wherever the registers allow it, so that each B fragment feeds four MMAs instead of
-// two (1152 instead of 1472 ldmatrix.x4 per 128 x 64 step at d128, FlashAttention-2's count).
+// Shared-memory reads (ldmatrix) are most of each step's instructions: every warp tile is 32 rows
+// wherever the registers allow it, so that each B fragment feeds four MMAs instead of two (1152
+// instead of 1472 ldmatrix.x4 per 128 x 64 step at d128, FlashAttention-2's count; +10% measured).
+// At 255 registers an SM holds 8 warps, and ncu (d128, H200) shows the tensor pipe 43% busy with
+// 7.4 cycles between a warp's instructions: what is left is latency at 2 warps per scheduler.
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
 // any register transpose. K, V, Q and dO tiles use the forward's swizzled layout (SwizzledRows:
 // whole-line cp.async requests); Pᵀ and dSᵀ padded rows (PaddedRows). Padded query rows are zero (Q, dO, D),
