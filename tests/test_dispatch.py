@@ -153,12 +153,31 @@ def test_bwd_tile_fits_and_takes_the_most_stages_that_fit(arch, head_dim):
     assert 1 <= tile.stages <= tiles.BWD_MAX_STAGES and tile.smem_bytes(head_dim) <= limit
     if tile.stages < tiles.BWD_MAX_STAGES:  # one more stage would not fit
         assert dataclasses.replace(tile, stages=tile.stages + 1).smem_bytes(head_dim) > limit
-    # The dQ tiles of a step cover it exactly (BwdTraits' static_asserts), keep bits fit 64 bits.
-    row_groups = tile.block_m // 16
-    assert tile.num_warps % row_groups == 0 and tile.block_m // 8 <= 16
+    # BwdTraits' static_asserts: 32-key warp groups whose warps split the queries (Sᵀ, dPᵀ) and the
+    # head-dim slice (dK, dV) into multiples of 16; dropout's keep bits (8 per n8 tile of a warp's
+    # queries) fit 64 bits; the dQ tiles (32 or 16 rows, >= 16 columns) cover a step exactly.
+    assert tile.block_n == 32 * tile.key_groups
+    warps_per_group = tile.num_warps // tile.key_groups
+    warp_queries, warp_columns = tile.block_m // warps_per_group, head_dim // tile.d_slices // warps_per_group
+    assert warp_queries % 16 == 0 and warp_columns % 16 == 0 and warp_queries // 8 <= 8
+    dq_row_groups = [tile.block_m // rows for rows in (32, 16) if tile.block_m % rows == 0
+                     and tile.num_warps % (tile.block_m // rows) == 0
+                     and (head_dim // tile.d_slices) % (tile.num_warps // (tile.block_m // rows) * 16) == 0]
+    assert dq_row_groups, "no dQ tiling covers the step"
+
     # The plan launches that tile: one CTA per key block and head-dim slice, per KV head and batch.
     capability = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_90a": (9, 0)}[arch]
     p = plan_bwd(dtype="bf16", head_dim=head_dim, batch=3, seqlen_q=300, seqlen_k=1000, nheads_k=4, causal=False,
                  window_size=(-1, -1), softcap=0.0, device=capability)
     assert p.tile == tile and p.smem_bytes == tile.smem_bytes(head_dim)
     assert p.grid == (-(-1000 // tile.block_n) * tile.d_slices, 4, 3)
+
+
+def test_bwd_tile_rejects_warps_that_do_not_split_the_keys():
+    from flashgen.generator import tiles
+
+    assert tiles.BwdTile(8, 64, 1).block_n == 128 and tiles.BwdTile(8, 64, 1, key_groups=2).block_n == 64
+    with pytest.raises(ValueError, match="32-key group"):
+        tiles.BwdTile(8, 64, 1, key_groups=3)
+    with pytest.raises(ValueError, match="32-key group"):
+        tiles.BwdTile(8, 32, 1, key_groups=2)  # four warps per group would own 8 queries each
