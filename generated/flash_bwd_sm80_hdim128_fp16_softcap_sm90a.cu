@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim128_fp16_softcap_sm90a(const __grid_constant__ flashgen::BwdP
         /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::None,
         /*kSoftcap=*/true, /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 168960, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim192_bf16_causal_dropout_sm80(const __grid_constant__ flashgen
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 166912, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

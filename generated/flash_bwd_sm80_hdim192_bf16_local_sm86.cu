@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim192_bf16_local_sm86(const __grid_constant__ flashgen::BwdPara
         /*kBlockN=*/32, /*kBlockM=*/32, /*kDSlices=*/2,
         /*kStages=*/2, flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 79360, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

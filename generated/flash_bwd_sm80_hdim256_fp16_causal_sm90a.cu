@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim256_fp16_causal_sm90a(const __grid_constant__ flashgen::BwdPa
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 216064, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim64_bf16_sm80(const __grid_constant__ flashgen::BwdParams para
         /*kBlockN=*/128, /*kBlockM=*/128, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::None,
         /*kSoftcap=*/false, /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 136192, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

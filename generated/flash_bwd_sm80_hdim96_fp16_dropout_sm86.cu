@@ -10,5 +10,6 @@ flash_bwd_sm80_hdim96_fp16_dropout_sm86(const __grid_constant__ flashgen::BwdPar
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::None,
         /*kSoftcap=*/false, /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 93184, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim128_bf16_causal_softcap_packgqa_paged_sm80(const __grid_const
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

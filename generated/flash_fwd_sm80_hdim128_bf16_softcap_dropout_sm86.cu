@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim128_bf16_softcap_dropout_sm86(const __grid_constant__ flashge
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim128_fp16_softcap_decode_sm86(const __grid_constant__ flashgen
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 69632, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

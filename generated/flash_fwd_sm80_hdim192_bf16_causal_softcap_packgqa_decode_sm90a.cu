@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim192_bf16_causal_softcap_packgqa_decode_sm90a(const __grid_con
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 202752, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

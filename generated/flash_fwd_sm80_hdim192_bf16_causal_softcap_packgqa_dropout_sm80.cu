@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim192_bf16_causal_softcap_packgqa_dropout_sm80(const __grid_con
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

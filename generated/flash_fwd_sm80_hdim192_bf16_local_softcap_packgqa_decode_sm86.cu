@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim192_bf16_local_softcap_packgqa_decode_sm86(const __grid_const
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 55296, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim192_bf16_sm80(const __grid_constant__ flashgen::FwdParams par
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

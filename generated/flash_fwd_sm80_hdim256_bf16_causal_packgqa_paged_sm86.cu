@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_bf16_causal_packgqa_paged_sm86(const __grid_constant__ fl
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_bf16_local_packgqa_decode_sm90a(const __grid_constant__ f
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 139264, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

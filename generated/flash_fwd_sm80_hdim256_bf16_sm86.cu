@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_bf16_sm86(const __grid_constant__ flashgen::FwdParams par
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_fp16_causal_softcap_packgqa_paged_decode_sm80(const __gri
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 139264, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

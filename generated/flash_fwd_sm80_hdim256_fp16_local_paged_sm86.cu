@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_fp16_local_paged_sm86(const __grid_constant__ flashgen::F
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim256_fp16_softcap_packgqa_sm90a(const __grid_constant__ flashg
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 98304, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

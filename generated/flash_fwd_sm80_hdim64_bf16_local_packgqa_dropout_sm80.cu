@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim64_bf16_local_packgqa_dropout_sm80(const __grid_constant__ fl
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 32768, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim64_fp16_causal_softcap_paged_sm86(const __grid_constant__ fla
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 32768, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

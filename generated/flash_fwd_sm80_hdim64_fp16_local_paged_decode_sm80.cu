@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim64_fp16_local_paged_decode_sm80(const __grid_constant__ flash
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 67584, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim64_fp16_paged_decode_sm86(const __grid_constant__ flashgen::F
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 67584, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

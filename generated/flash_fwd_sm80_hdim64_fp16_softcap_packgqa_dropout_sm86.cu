@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim64_fp16_softcap_packgqa_dropout_sm86(const __grid_constant__ 
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true>;
+    static_assert(Traits::kSmemBytes == 32768, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

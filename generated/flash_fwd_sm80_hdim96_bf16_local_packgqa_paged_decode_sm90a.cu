@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim96_bf16_local_packgqa_paged_decode_sm90a(const __grid_constan
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 101376, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

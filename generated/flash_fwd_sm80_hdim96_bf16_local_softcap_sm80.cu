@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim96_bf16_local_softcap_sm80(const __grid_constant__ flashgen::
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 49152, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim96_fp16_causal_softcap_packgqa_sm86(const __grid_constant__ f
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 49152, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -12,5 +12,6 @@ flash_fwd_sm80_hdim96_fp16_local_paged_decode_sm90a(const __grid_constant__ flas
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false>;
+    static_assert(Traits::kSmemBytes == 101376, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -71,6 +71,10 @@ struct BwdTraits {
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
     using Smem = SwizzledRows<kHeadDim>;  // layout of the K, V, Q and dO tiles
     using PSmem = PaddedRows<kBlockM>;     // layout of the Pᵀ and dSᵀ tiles: [key][query]
+    // K, V, Q and dO per stage, Pᵀ, dSᵀ, LSE and D per stage; the instance checks it against the
+    // host's request (BwdTile.smem_bytes).
+    static constexpr int kSmemBytes = (2 * kBlockN + 2 * kStages * kBlockM) * Smem::kRowBytes +
+                                      2 * kBlockN * PSmem::kRowBytes + 2 * kStages * kBlockM * int(sizeof(float));
     static_assert(kBlockN % 32 == 0 && kWarpsN * kWarpsM == kNWarps, "warps tile the keys in 32-key groups");
     static_assert(kWarpQ % 16 == 0 && kWarpD % 16 == 0 && kDQCols % 16 == 0, "warp tiles are multiples of 16");
     static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");

@@ -78,6 +78,8 @@ struct FwdTraits {
     static constexpr int kNI = kWarpN / 8;            // n8 tiles of a warp's S
     static constexpr int kDI = kHeadDim / 8;          // n8 tiles of O
     using Smem = SwizzledRows<kHeadDim>;  // layout of the Q, K and V tiles in shared memory
+    // [Q | K0 V0 | K1 V1 | ...]; the instance checks it against the host's request (FwdTile.smem_bytes).
+    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * Smem::kRowBytes;
 
     static_assert(kWarpM == 16 || kWarpM == 32, "a warp owns 16 or 32 query rows");
     static_assert(kWarpsM * kWarpsN == kNWarps, "warps tile the block");
