@@ -10,7 +10,7 @@
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
 //   Pᵀ, dSᵀ -> shared memory
 //   dV += Pᵀ·dO, dK += dSᵀ·Q          (warps 2-D: 32 keys x a share of the head-dim slice each)
-//   dQ(m) += dS·K, added to an fp32 buffer with atomics (16-byte vector reductions on sm_90; in
+//   dQ(m) += dS·K, added to an fp32 buffer with atomics (8-byte vector reductions on sm_90; in
 //   key-block order under deterministic mode, through a per-row-block semaphore)
 //
 // Shared-memory reads (ldmatrix) are most of each step's instructions: every warp tile is 32 rows
@@ -211,6 +211,32 @@ __device__ __forceinline__ void softmax_backward(float (&st)[2][Tr::kMN][4], flo
     }
 }
 
+// Adds a warp's dQ tile (kMI m16 x kNTiles n8 fragments) to the fp32 buffer whose rows are row_stride
+// floats apart, from this thread's first element dq_first (row lane / 4, column 2 (lane % 4) of
+// the tile): straight from the fragments, one 8-byte reduction per row and n8 tile (two 4-byte
+// ones before sm_90), no shuffles to form wider vectors. kPredicated: only rows below rows_left
+// and tiles whose bit is set in cols_ok; otherwise every reduction is unconditional, with no
+// branches around them. (ncu, d128: this kernel executed 1.20x FlashAttention-2's instructions
+// for the same HMMA and LDSM counts; the 16-byte reductions' shuffles, selects and branches were
+// a fifth of the excess. Without them: +1-3% at d64/d128.)
+template <bool kPredicated, int kMI, int kNTiles>
+__device__ __forceinline__ void add_dq_fragments(const float (&acc)[kMI][kNTiles][4], float* dq_first, int row_stride,
+                                                 int rows_left, uint32_t cols_ok) {
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int const row = mi * 16 + half * 8;
+            float* const dq_row = dq_first + row * row_stride;
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni) {
+                if (!kPredicated || (row < rows_left && ((cols_ok >> ni) & 1u))) {
+                    red_add_f32x2(dq_row + ni * 8, acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
+                }
+            }
+        }
+}
+
 template <typename Tr>
 __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     using T = typename Tr::T;
@@ -318,6 +344,13 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
     int const dq_row0 = (warp % Tr::kDQRowGroups) * Tr::kDQRows;
     int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
+    // Bit di: this thread's columns of dQ tile di are inside head_dim (the same every step).
+    static_assert(Tr::kDQCols / 8 <= 32, "one bit per n8 tile");
+    uint32_t dq_cols_ok = 0;
+#pragma unroll
+    for (int di = 0; di < Tr::kDQCols / 8; ++di)
+        dq_cols_ok |= uint32_t(dq_col0 + di * 8 + 2 * (lane % 4) < head_dim) << di;
+    constexpr uint32_t kDQAllCols = (1u << (Tr::kDQCols / 8)) - 1;
 
     // Steps enumerate (query head of the group, query block). Step t's Q, dO, LSE and D rows go
     // to stage t % kStages, fetched kStages - 1 steps ahead plus the dQ tail of the step before:
@@ -325,18 +358,26 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     // kStages - 1 groups means step t's rows (and K, V) have landed.
     int const m_count = max(m_block_max - m_block_min, 0);
     int const steps = qhpk * m_count;
+    // Step t is (query head t / m_count, query block t % m_count), both advanced by counters: the
+    // issued steps and the computed ones each go up by one per call/iteration (no division).
+    int issue_head = 0, issue_m = 0;
     auto issue_step = [&](int t) {
         if (t >= steps) {
             cp_async_commit();
             return;
+        }
+        int const head_in_group = issue_head, m_index = issue_m;
+        if (++issue_m == m_count) {
+            issue_m = 0;
+            ++issue_head;
         }
         int const stage = t % kStages;
         T* sQ = sQ0 + stage * kBlockM * kStride;
         T* sdO = sdO0 + stage * kBlockM * kStride;
         float* sLSE = sLSE0 + stage * kBlockM;
         float* sD = sD0 + stage * kBlockM;
-        int const bidh = bidh_kv * qhpk + t / m_count;
-        int const q0 = (m_block_min + t % m_count) * kBlockM;
+        int const bidh = bidh_kv * qhpk + head_in_group;
+        int const q0 = (m_block_min + m_index) * kBlockM;
         const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
                           q_offset * params.q_row_stride + bidh * params.q_head_stride;
         const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
@@ -350,19 +391,25 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded
         // rows read 0 for both: their Q and dO rows are 0, so they still contribute exactly 0.
         int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
-        for (int r = tid; r < kBlockM; r += Tr::kNThreads) {
-            bool const valid = q0 + r < seqlen_q;
-            cp_async_4(smem_u32(sLSE + r), reinterpret_cast<const float*>(params.lse_ptr) + row_stats + q0 + r, valid);
-            cp_async_4(smem_u32(sD + r), reinterpret_cast<const float*>(params.dsum_ptr) + row_stats + q0 + r, valid);
+        static_assert(kBlockM <= Tr::kNThreads, "one LSE and one D value per thread at most");
+        if (tid < kBlockM) {
+            bool const valid = q0 + tid < seqlen_q;
+            cp_async_4(smem_u32(sLSE + tid), reinterpret_cast<const float*>(params.lse_ptr) + row_stats + q0 + tid, valid);
+            cp_async_4(smem_u32(sD + tid), reinterpret_cast<const float*>(params.dsum_ptr) + row_stats + q0 + tid, valid);
         }
         cp_async_commit();
     };
 #pragma unroll
     for (int t = 0; t < kStages; ++t) issue_step(t);
 
+    int step_head = 0, step_m = 0;  // step t's (t / m_count, t % m_count)
     for (int t = 0; t < steps; ++t) {
-        int const bidh = bidh_kv * qhpk + t / m_count;
-        int const m_block = m_block_min + t % m_count;
+        int const bidh = bidh_kv * qhpk + step_head;
+        int const m_block = m_block_min + step_m;
+        if (++step_m == m_count) {
+            step_m = 0;
+            ++step_head;
+        }
         int const q0 = m_block * kBlockM;
         int const stage = t % kStages;
         uint32_t const sQ_addr = smem_u32(sQ0) + stage * kRowStageBytes;
@@ -470,49 +517,14 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
             }
             __syncthreads();
         }
-#if __CUDA_ARCH__ >= 900
-        // One 16-byte vector reduction per n8 tile and lane: lanes 2i and 2i + 1 of a quad swap
-        // halves so that the even lane holds 4 consecutive columns of row lane / 4 and the odd
-        // lane the same 4 columns of row lane / 4 + 8 (columns 4 * ((lane % 4) / 2) of the tile).
-        // head_dim is a multiple of 8 and dq_accum rows are head_dim floats: 16-byte aligned.
-#pragma unroll
-        for (int mi = 0; mi < kDQMI; ++mi) {
-            bool const odd = lane % 2;
-            int const query = q0 + dq_row0 + mi * 16 + lane / 4 + (odd ? 8 : 0);
-            float* dq_row = dq_accum + (row_stats + query) * head_dim;
-#pragma unroll
-            for (int di = 0; di < Tr::kDQCols / 8; ++di) {
-                float const send0 = odd ? acc_dq[mi][di][0] : acc_dq[mi][di][2];
-                float const send1 = odd ? acc_dq[mi][di][1] : acc_dq[mi][di][3];
-                float const got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
-                float const got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-                int const col = dq_col0 + di * 8 + 4 * ((lane % 4) / 2);
-                if (query < seqlen_q && col < head_dim) {
-                    float4 const v = odd ? make_float4(got0, got1, acc_dq[mi][di][2], acc_dq[mi][di][3])
-                                         : make_float4(acc_dq[mi][di][0], acc_dq[mi][di][1], got0, got1);
-                    red_add_v4(dq_row + col, v);
-                }
-            }
+        // Only a sequence's last query block (or a head dim below the instance's) needs predicates.
+        int const dq_query0 = q0 + dq_row0 + lane / 4;  // this thread's first dQ row
+        float* const dq_first = dq_accum + (row_stats + dq_query0) * head_dim + dq_col0 + 2 * (lane % 4);
+        if (q0 + kBlockM <= seqlen_q && dq_cols_ok == kDQAllCols) {
+            add_dq_fragments<false>(acc_dq, dq_first, head_dim, 0, 0);
+        } else {
+            add_dq_fragments<true>(acc_dq, dq_first, head_dim, seqlen_q - dq_query0, dq_cols_ok);
         }
-#else
-#pragma unroll
-        for (int mi = 0; mi < kDQMI; ++mi)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int const query = q0 + dq_row0 + mi * 16 + lane / 4 + half * 8;
-                if (query < seqlen_q) {
-                    float* dq_row = dq_accum + (row_stats + query) * head_dim;
-#pragma unroll
-                    for (int di = 0; di < Tr::kDQCols / 8; ++di) {
-                        int const col = dq_col0 + di * 8 + 2 * (lane % 4);
-                        if (col < head_dim) {
-                            atomicAdd(dq_row + col, acc_dq[mi][di][2 * half]);
-                            atomicAdd(dq_row + col + 1, acc_dq[mi][di][2 * half + 1]);
-                        }
-                    }
-                }
-            }
-#endif
         if (semaphores != nullptr) {
             __threadfence();
             __syncthreads();

@@ -78,13 +78,17 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// addr[0] += a, addr[1] += b (addr 8-byte aligned): one 8-byte reduction on sm_90, two 4-byte ones
+// before.
+__device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
 #if __CUDA_ARCH__ >= 900
-// *addr += v, four floats in one 16-byte reduction (addr 16-byte aligned); sm_90 and newer.
-__device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(__cvta_generic_to_global(addr)),
-                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-}
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(__cvta_generic_to_global(addr)), "f"(a), "f"(b)
+                 : "memory");
+#else
+    atomicAdd(addr, a);
+    atomicAdd(addr + 1, b);
 #endif
+}
 
 // Programmatic dependent launch (sm_90; nothing on older targets). A kernel that the host
 // launches as a dependent (LoadedKernel.launch_dependent) waits for the previous kernel on the
