@@ -181,3 +181,67 @@ def test_bwd_tile_rejects_warps_that_do_not_split_the_keys():
         tiles.BwdTile(8, 64, 1, key_groups=3)
     with pytest.raises(ValueError, match="32-key group"):
         tiles.BwdTile(8, 32, 1, key_groups=2)  # four warps per group would own 8 queries each
+
+
+def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
+    hopper = plan(sm90=True)
+    assert (hopper.spec.family, hopper.spec.arch) == ("sm90", "sm_90a") and is_in_matrix(hopper.spec)
+    assert hopper.grid == (4, 16, 2) and hopper.tile.num_threads == 384 and hopper.num_splits == 1
+    assert plan(sm90=True, causal=True).spec.mask == "causal"
+    assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
+    assert plan(sm90=True, head_dim=256).tile.block_n == 64
+    # The caller says no (ALiBi, tensors the TMA cannot read), the knob forces sm80, or the device
+    # is not Hopper: the sm80 family.
+    assert plan().spec.family == "sm80"
+    assert plan(sm90=True, family="sm80").spec.family == "sm80"
+    assert plan(sm90=True, family="sm90").spec.family == "sm90"
+    assert plan(sm90=True, device=(8, 0)).spec.family == "sm80"
+    assert plan(sm90=True, device=(8, 9), family="sm90").spec.family == "sm80"
+
+
+@pytest.mark.parametrize("change", [
+    dict(head_dim=96), dict(head_dim=120), dict(window_size=(16, 0)), dict(softcap=30.0), dict(pack_gqa=True, nheads_k=4),
+    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True), dict(varlen=True),
+    dict(dropout=True),
+])
+def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
+    chosen = plan(sm90=True, **change)
+    assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec), chosen.spec
+
+
+def test_sm90_tiles_fit_and_match_the_kernel_layout():
+    from flashgen.generator import render
+    from flashgen.generator.matrix import SM90_FWD_HEAD_DIMS
+    from flashgen.generator.tiles import fwd_tile, smem_limit
+
+    for head_dim in SM90_FWD_HEAD_DIMS:
+        tile = fwd_tile("sm90", "sm_90a", head_dim)
+        assert tile.smem_bytes(head_dim) <= smem_limit("sm_90a")
+        assert tile.block_m == 128 and tile.num_threads == 384 and tile.stages >= 2
+    # The instance asserts the host's request against the kernel's own layout (kSmemBytes).
+    source = render.render_instance(plan(sm90=True, head_dim=128).spec)
+    assert f"Traits::kSmemBytes == {fwd_tile('sm90', 'sm_90a', 128).smem_bytes(128)}" in source
+    with pytest.raises(ValueError, match="sm90"):
+        fwd_tile("sm90", "sm_90a", 96)
+
+
+def test_bwd_plan_keeps_the_base_family_when_sm90_is_forced():
+    from flashgen.runtime.backward import plan_bwd
+
+    chosen = plan_bwd(dtype="bf16", head_dim=128, batch=1, seqlen_q=256, seqlen_k=256, nheads_k=4, causal=False,
+                      window_size=(-1, -1), softcap=0.0, device=(9, 0), family="sm90")
+    assert chosen.spec.family == "sm80"
+
+
+def test_tma_compatible_inputs():
+    import torch
+
+    from flashgen.runtime import tma
+
+    q = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16)
+    assert tma.compatible(q, q[:, :, :2], q.transpose(1, 2).contiguous().transpose(1, 2))
+    assert tma.compatible(q.view(2, 64, 4, 2, 64)[..., 0, :])                   # a strided view, 16-byte steps
+    assert not tma.compatible(torch.empty(2, 64, 4, 130, dtype=torch.bfloat16)[..., :128])  # 260-byte steps
+    assert not tma.compatible(torch.empty(2, 64, 4, 136, dtype=torch.bfloat16)[..., 4:])  # misaligned base
+    assert not tma.compatible(q.transpose(-1, -2))                              # columns not contiguous
+    assert not tma.compatible(q[0])                                             # not 4-D

@@ -20,6 +20,8 @@ FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * (2 * 2 * 2 * 2 + 2 * 
 BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dropout
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
+# The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal), no switches.
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS)
 
 
 def test_uris_unique_and_readable():
@@ -63,12 +65,16 @@ def test_spec_round_trips_and_rejects_bad_fields():
 
 
 def test_matrix_counts():
-    assert len(matrix.all_specs()) == PER_ARCH * len(matrix.ALL_ARCHS)
+    assert len(matrix.all_specs()) == PER_ARCH * len(matrix.ALL_ARCHS) + SM90_FWD
     for arch in matrix.ALL_ARCHS:
         specs = matrix.all_specs(archs=[arch])
-        assert len(specs) == PER_ARCH
+        assert len(specs) == PER_ARCH + (SM90_FWD if arch == "sm_90a" else 0)
         assert {s.arch for s in specs} == {arch}
-    assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * FWD_PER_ARCH
+    assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * FWD_PER_ARCH + SM90_FWD
+    sm90 = [s for s in matrix.all_specs() if s.family == "sm90"]
+    assert len(sm90) == SM90_FWD
+    assert all(s.direction == "fwd" and s.arch == "sm_90a" and s.head_dim in matrix.SM90_FWD_HEAD_DIMS
+               and s.mask in ("none", "causal") for s in sm90)
     assert matrix.all_specs(directions=["varlen"]) == []
     assert matrix.all_specs() == sorted(matrix.all_specs())
 
@@ -76,7 +82,10 @@ def test_matrix_counts():
 def test_every_spec_is_in_matrix_and_its_family_matches():
     for spec in matrix.all_specs():
         assert matrix.is_in_matrix(spec)
-        assert matrix.family_for(spec.arch) == spec.family
+        assert spec.family in matrix.families(spec.arch)
+        # Only the forward has a second family; every other kernel is the base family's.
+        assert spec.family == matrix.family_for(spec.arch) or spec.direction == "fwd"
+    assert matrix.families("sm_90a") == ("sm80", "sm90") and matrix.families("sm_86") == ("sm80",)
     with pytest.raises(ValueError, match="sm_75"):
         matrix.family_for("sm_75")
 
@@ -99,3 +108,14 @@ def test_target_arch_rejects_unsupported(capability):
 def test_every_capability_maps_into_the_matrix():
     for major, minor in itertools.product((8, 9), range(10)):
         assert matrix.target_arch(major, minor) in matrix.ALL_ARCHS
+
+
+@pytest.mark.parametrize("change", [
+    dict(direction="bwd"), dict(mask="local"), dict(softcap=True), dict(pack_gqa=True), dict(paged=True),
+    dict(decode=True), dict(dropout=True),
+])
+def test_sm90_spec_is_a_plain_forward(change):
+    fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")
+    KernelSpec(**fields)  # the plain forward is valid
+    with pytest.raises(ValueError, match="sm90 family"):
+        KernelSpec(**{**fields, **change})

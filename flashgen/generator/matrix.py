@@ -13,7 +13,14 @@ from .spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, KernelSpec
 # memory, hence smaller tiles for large head dims), and sm_90a serves Hopper.
 FAMILY_ARCHS = {
     "sm80": ("sm_80", "sm_86", "sm_90a"),
+    "sm90": ("sm_90a",),
 }
+# The family of every kernel but the sm90 forward's (backward, combine, append, row kernels).
+BASE_FAMILY = "sm80"
+# Head dims with an sm90 forward instance: whole 64-column TMA panels (fwd_sm90.cuh). A call with
+# another head dim runs the sm80 family.
+SM90_FWD_HEAD_DIMS = (64, 128, 256)
+SM90_FWD_MASKS = ("none", "causal")
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
 
 
@@ -35,54 +42,59 @@ def target_arch(major: int, minor: int) -> str:
 
 
 def family_for(arch: str) -> str:
-    """The kernel family used on an NVRTC target (the sm80 family until a Hopper family exists)."""
-    for family, archs in FAMILY_ARCHS.items():
-        if arch in archs:
-            return family
+    """The base kernel family on an NVRTC target: sm80, whose kernels cover every call. (On sm_90a
+    the forward prefers the sm90 family where it has an instance: dispatch.plan_fwd.)"""
+    if arch in FAMILY_ARCHS[BASE_FAMILY]:
+        return BASE_FAMILY
     raise ValueError(f"arch {arch!r} is not in the matrix; known: {ALL_ARCHS}")
 
 
+def families(arch: str) -> tuple[str, ...]:
+    """The kernel families built for an NVRTC target."""
+    return tuple(family for family, archs in FAMILY_ARCHS.items() if arch in archs)
+
+
 def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
-    for family, family_archs in FAMILY_ARCHS.items():
-        flags = (False, True)
-        for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout in itertools.product(
-            family_archs, DTYPES, HEAD_DIMS, MASKS, flags, flags, flags, flags, flags
-        ):
-            if archs is not None and arch not in archs:
-                continue
-            if dropout and (paged or decode):  # dropout is for training (see spec.py)
-                continue
-            yield KernelSpec("fwd", family, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
+    flags = (False, True)
+    for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout in itertools.product(
+        FAMILY_ARCHS[BASE_FAMILY], DTYPES, HEAD_DIMS, MASKS, flags, flags, flags, flags, flags
+    ):
+        if archs is not None and arch not in archs:
+            continue
+        if dropout and (paged or decode):  # dropout is for training (see spec.py)
+            continue
+        yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
+    for arch, dtype, head_dim, mask in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS
+    ):
+        if archs is None or arch in archs:
+            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
-    for family, family_archs in FAMILY_ARCHS.items():
-        for arch, dtype in itertools.product(family_archs, DTYPES):
-            if archs is None or arch in archs:
-                yield KernelSpec("append", family, arch, dtype)
+    for arch, dtype in itertools.product(FAMILY_ARCHS[BASE_FAMILY], DTYPES):
+        if archs is None or arch in archs:
+            yield KernelSpec("append", BASE_FAMILY, arch, dtype)
 
 
 def combine_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
-    for family, family_archs in FAMILY_ARCHS.items():
-        for arch, dtype in itertools.product(family_archs, COMBINE_DTYPES):
-            if archs is None or arch in archs:
-                yield KernelSpec("combine", family, arch, dtype)
+    for arch, dtype in itertools.product(FAMILY_ARCHS[BASE_FAMILY], COMBINE_DTYPES):
+        if archs is None or arch in archs:
+            yield KernelSpec("combine", BASE_FAMILY, arch, dtype)
 
 
 def bwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
-    for family, family_archs in FAMILY_ARCHS.items():
-        for arch, dtype, head_dim, mask, softcap, dropout in itertools.product(
-            family_archs, DTYPES, HEAD_DIMS, MASKS, (False, True), (False, True)
-        ):
-            if archs is None or arch in archs:
-                yield KernelSpec("bwd", family, arch, dtype, head_dim, mask, softcap, dropout=dropout)
+    for arch, dtype, head_dim, mask, softcap, dropout in itertools.product(
+        FAMILY_ARCHS[BASE_FAMILY], DTYPES, HEAD_DIMS, MASKS, (False, True), (False, True)
+    ):
+        if archs is None or arch in archs:
+            yield KernelSpec("bwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, dropout=dropout)
 
 
 def bwd_row_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
-    for family, family_archs in FAMILY_ARCHS.items():
-        for arch, direction, dtype in itertools.product(family_archs, ("bwd_pre", "bwd_post"), DTYPES):
-            if archs is None or arch in archs:
-                yield KernelSpec(direction, family, arch, dtype)
+    for arch, direction, dtype in itertools.product(FAMILY_ARCHS[BASE_FAMILY], ("bwd_pre", "bwd_post"), DTYPES):
+        if archs is None or arch in archs:
+            yield KernelSpec(direction, BASE_FAMILY, arch, dtype)
 
 
 _BY_DIRECTION = {

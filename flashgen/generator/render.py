@@ -71,6 +71,17 @@ def render_instance(spec: KernelSpec) -> str:
             dropout=_cpp_bool(spec.dropout),
         )
     tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
+    if spec.family == "sm90":
+        return _env().get_template("fwd_sm90_instance.cu.j2").render(
+            **common,
+            element_type=_ELEMENT_TYPES[spec.dtype],
+            head_dim=spec.head_dim,
+            block_n=tile.block_n,
+            stages=tile.stages,
+            num_threads=tile.num_threads,
+            smem_bytes=tile.smem_bytes(spec.head_dim),
+            mask_enum=spec.mask.capitalize(),
+        )
     return _env().get_template("fwd_instance.cu.j2").render(
         **common,
         element_type=_ELEMENT_TYPES[spec.dtype],

@@ -42,7 +42,10 @@ DTYPES = ("fp16", "bf16")
 COMBINE_DTYPES = ("fp16", "bf16", "fp32")  # the combine's output dtype
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
-FAMILIES = ("sm80",)
+# sm80: mma.sync + cp.async, every feature, every target (sm_80, sm_86, sm_90a). sm90: the Hopper
+# forward (wgmma + TMA, warp-specialized; fwd_sm90.cuh), sm_90a only, for the calls its instances
+# cover (matrix.SM90_FWD_HEAD_DIMS, masks none/causal, no feature switch); everything else keeps sm80.
+FAMILIES = ("sm80", "sm90")
 
 Direction = Literal["fwd", "bwd", "append", "combine", "bwd_pre", "bwd_post"]
 DType = Literal["fp16", "bf16", "fp32"]
@@ -54,7 +57,7 @@ class KernelSpec:
     """One kernel instance. Field order is the URI's field order."""
 
     direction: Direction
-    family: str          # kernel family (template set): "sm80"
+    family: str          # kernel family (template set): "sm80" or "sm90"
     arch: str            # NVRTC target, e.g. "sm_80", "sm_86", "sm_90a"
     dtype: DType
     head_dim: int = 0    # 0 for kernels that take it at run time
@@ -82,6 +85,9 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
+            if self.family == "sm90" and (self.direction != "fwd" or self.mask == "local" or self.softcap or
+                                          self.pack_gqa or self.paged or self.decode or self.dropout):
+                raise ValueError(f"the sm90 family is a forward without local masks or feature switches: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout) != (
             0, "none", False, False, False, False, False
         ):

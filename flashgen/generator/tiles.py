@@ -110,7 +110,41 @@ def decode_tile(arch: str, head_dim: int) -> FwdTile:
     raise ValueError(f"no decode tile fits {arch} at head_dim {head_dim}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Sm90FwdTile:
+    """The sm90 forward's CTA (fwd_sm90.cuh): a producer warpgroup and two consumer warpgroups of
+    64 query rows each; Q and a ring of `stages` K and V blocks in 128-byte swizzled panels of
+    64 head-dim columns."""
+    block_n: int     # keys per block (the S = Q·Kᵀ wgmma's N)
+    stages: int = 2  # K/V blocks in flight
+    block_m: int = 128
+    num_warps: int = 12
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 1 + 4 * stages mbarriers."""
+        panels = head_dim // 64
+        return 1024 + panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
+
+    def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
+        return 1
+
+
+# (head_dim) -> sm90 forward tile: 128-key blocks (FlashAttention-3's causal d128 choice); d256
+# takes 64-key blocks so that two stages fit in 227 KB. First version, not yet tuned.
+_FWD_SM90 = {64: Sm90FwdTile(128), 128: Sm90FwdTile(128), 256: Sm90FwdTile(64)}
+
+
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
+    if family == "sm90":
+        if decode or head_dim not in _FWD_SM90:
+            raise ValueError(f"the sm90 family has no forward tile for head_dim {head_dim} (decode={decode})")
+        tile = _FWD_SM90[head_dim]
+        assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
+        return tile
     if family != "sm80":
         raise ValueError(f"no forward tile table for family {family!r}")
     if decode:

@@ -42,7 +42,8 @@ def plan_bwd(
         device = DeviceInfo(tuple(device))
     dtype = _DTYPE_NAMES.get(dtype, dtype)
     arch = matrix.target_arch(*device.capability)
-    family = family or matrix.family_for(arch)
+    # The backward exists in the base family only (FLASHGEN_FAMILY=sm90 selects the forward).
+    family = matrix.family_for(arch) if family in (None, "sm90") else family
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)

@@ -61,6 +61,16 @@ def instance_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}, got {head_dim}")
 
 
+def sm90_covers(*, head_dim: int, mask: str, softcap: float, pack_gqa: bool, paged: bool, decode: bool,
+                varlen: bool, dropout: bool) -> bool:
+    """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
+    (matrix.SM90_FWD_HEAD_DIMS, exactly), no mask or the causal one, and none of the features it
+    does not have yet (softcap, PackGQA, paged K/V, the decode tile and its split-KV, varlen,
+    dropout)."""
+    return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS and not softcap
+            and not (pack_gqa or paged or decode or varlen or dropout))
+
+
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):
     """flash_attn's mask semantics -> (mask, window_left, window_right) for the kernel.
 
@@ -101,6 +111,7 @@ def plan_fwd(
     family: str | None = None,
     varlen: bool = False,
     dropout: bool = False,
+    sm90: bool = False,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
@@ -108,13 +119,17 @@ def plan_fwd(
     ``dtype`` is "fp16"/"bf16" or a torch dtype; ``seqlen_k`` is the key count, or for a KV cache
     its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and
     MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch;
-    ``dropout``: the instance with the Philox mask (never paged, never the decode tile).
+    ``dropout``: the instance with the Philox mask (never paged, never the decode tile);
+    ``sm90``: the caller's inputs allow the sm90 forward (no ALiBi, tensors the TMA can read). On
+    sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
+    unless ``family`` forces sm80; everything else runs the sm80 family.
     """
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
     dtype = _DTYPE_NAMES.get(str(dtype), dtype)
     arch = matrix.target_arch(*device.capability)
-    family = family or matrix.family_for(arch)
+    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
+    family = matrix.family_for(arch) if family in (None, "sm90") else family
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
     cc = device.capability[0] * 10 + device.capability[1]
@@ -165,6 +180,13 @@ def plan_fwd(
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, dropout=dropout,
         )
+    if allow_sm90 and num_splits == 1 and sm90_covers(
+        head_dim=head_dim, mask=mask, softcap=softcap, pack_gqa=pack, paged=paged, decode=decode, varlen=varlen,
+        dropout=dropout,
+    ):
+        tile = fwd_tile("sm90", arch, head_dim)
+        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask)
+        return FwdPlan(spec, tile, (-(-seqlen_q // tile.block_m), nheads, batch), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)

@@ -10,7 +10,7 @@ from .. import config
 from ..generator import matrix
 from ..generator.spec import KernelSpec
 from . import params as params_mod
-from . import validate
+from . import tma, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .launch import get_kernel
@@ -233,6 +233,8 @@ def run_fwd(
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
     )
     index = device_index(q)
+    if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
+        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     if splits > 1:
         # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine
@@ -259,15 +261,17 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     index = device_index(q)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
         softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(index),
         num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
+        sm90=alibi_slopes is None and tma.compatible(q, k, v),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
-    run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
+    run_fwd(plan, q=q, k=k, v=v, out=out, lse=lse,
             softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k,
             dropout=dropout)
     return out, lse, dropout

@@ -13,11 +13,15 @@ using uint64_t = unsigned long long;
 // NVRTC has no <cmath>: spell infinity by its bit pattern.
 #define kInfinity __int_as_float(0x7f800000)
 
+// The attention mask of an instance (spec.py's mask): none, causal, or a local window.
+enum class Mask { None, Causal, Local };
+
 // ---------------------------------------------------------------------------------------------
 // Element types. Each knows how to pack two floats into the 32-bit register an mma A/B operand
 // takes, and which mma.sync variant multiplies it.
 struct half_t {
     using storage = __half;
+    static constexpr bool kIsBf16 = false;
     static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&h);
@@ -26,6 +30,7 @@ struct half_t {
 
 struct bfloat16_t {
     using storage = __nv_bfloat16;
+    static constexpr bool kIsBf16 = true;
     static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&h);

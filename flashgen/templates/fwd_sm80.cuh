@@ -17,7 +17,6 @@
 
 namespace flashgen {
 
-enum class Mask { None, Causal, Local };
 
 // Shared-memory layout of tiles whose rows hold kHeadDim 16-bit elements (the forward's Q/K/V and
 // the backward's K/V/Q/dO): offset(row, chunk) is the byte offset of a row's 16-byte chunk.

@@ -1,0 +1,550 @@
+// The sm90 forward family (Hopper, compiled for sm_90a): FlashAttention's forward with the tensor
+// cores' warpgroup MMA (wgmma) and the TMA copy engine, warp-specialized.
+//
+// A CTA owns kBlockM = 128 query rows of one (batch, head) and is three warpgroups:
+//   warpgroup 0, the producer: one thread issues TMA loads of Q (once) and of the K and V blocks
+//     into a ring of kStages stages, each completing on its own mbarrier ("full"); it refills a
+//     stage once both consumers have released it (the "empty" mbarriers). It gives its registers
+//     away (setmaxnreg) to
+//   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
+//     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
+//     O += P·V (wgmma, P from registers, V from shared memory, MN-major).
+// Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B; the wgmma
+// descriptors' 128-byte swizzle mode): row r of a panel is 128 bytes at r * 128, its 16-byte
+// chunks permuted by r % 8, 8-row atoms 1024 bytes apart. Rows past a sequence's end are
+// zero-filled by the TMA (its bounds are the tensor's), so no load is predicated.
+//
+// Not yet here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen,
+// local windows, softcap, ALiBi, dropout, head dims other than 64/128/256, and the
+// performance features of FlashAttention-3 beyond warp specialization (ping-pong scheduling of
+// the two consumers, softmax overlapped with the next Q·Kᵀ, a persistent scheduler).
+#pragma once
+#include "common.cuh"
+#include "flash_params.cuh"
+
+namespace flashgen {
+
+// cuda.h's CUtensorMap: 128 opaque bytes, 64-byte aligned, encoded on the host
+// (cuTensorMapEncodeTiled) and passed inside the __grid_constant__ parameter.
+struct alignas(64) TmaDescriptor {
+    unsigned long long opaque[16];
+};
+
+// The sm90 forward's one parameter: three tensor maps (Q, K, V as (d, rows, heads, batch)) and
+// the FwdParams every forward takes.
+struct Sm90FwdParams {
+    TmaDescriptor tma_q;
+    TmaDescriptor tma_k;
+    TmaDescriptor tma_v;
+    FwdParams p;
+};
+
+// ---- mbarriers (shared::cta, 8 bytes each)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrives once and expects `bytes` more to land by TMA before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    }
+}
+
+// ---- TMA: a 4-D box (columns, rows, head, batch) of a tensor map into shared memory, completing
+// (transaction bytes) on an mbarrier.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+// ---- Registers moved between warpgroups (the kernel has a register cap: __launch_bounds__(n, 1)).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- wgmma: fence before an MMA batch that reads registers written since, commit a batch,
+// wait until at most N batches are in flight.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulator registers across the asynchronous
+// MMAs that use them (they are operands of the wgmma asm only while it is issued).
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor with the 128-byte swizzle: start address, leading- and
+// stride-dimension byte offsets (PTX ISA, "Matrix Descriptor Format"). K-major operands (Q, K):
+// rows of 64 elements at 128 bytes, 8-row atoms `sbo` apart; the leading offset is unused.
+// MN-major (V as P·V's B): 64 columns per row of 128 bytes, 8-row atoms `sbo` apart along K,
+// 64-column panels `lbo` apart along N.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t((lbo >> 4) & 0x3fff) << 16) |
+           (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
+}
+
+// ---- wgmma wrappers (m64nNk16, f32 accumulators; emitted for N = 64, 128, 256).
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_ss_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+// D[64 x N] (+)= A · B for N = 64, 128 or 256.
+template <typename Element, int N, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N tile");
+    if constexpr (N == 64) wgmma_ss_m64n64k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 128) wgmma_ss_m64n128k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+    else wgmma_ss_m64n256k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+}
+template <typename Element, int N, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N tile");
+    if constexpr (N == 64) wgmma_rs_m64n64k16<Element, kTransB>(d, a, desc_b, accumulate);
+    else if constexpr (N == 128) wgmma_rs_m64n128k16<Element, kTransB>(d, a, desc_b, accumulate);
+    else wgmma_rs_m64n256k16<Element, kTransB>(d, a, desc_b, accumulate);
+}
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, Mask kMask_>
+struct Sm90FwdTraits {
+    using Element = Element_;
+    using T = typename Element::storage;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = kStages_;
+    static constexpr Mask kMask = kMask_;
+    static constexpr int kNThreads = 384;
+    static constexpr int kConsumerThreads = 256;
+    static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
+    static constexpr int kPanelQBytes = kBlockM * 128;
+    static constexpr int kPanelKVBytes = kBlockN * 128;
+    static constexpr int kQBytes = kPanels * kPanelQBytes;
+    static constexpr int kKVBytes = kPanels * kPanelKVBytes;  // one K or V block
+    static constexpr int kBarriers = 1 + 4 * kStages;         // Q; full and empty, K and V, per stage
+    // 1024 bytes of slack to align the swizzle atoms, Q, the K/V ring, the mbarriers. The
+    // instance checks it against the host's request (Sm90FwdTile.smem_bytes).
+    static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims of whole 64-column panels");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockN * 128 % 1024 == 0, "key block");
+};
+
+template <typename Tr>
+__device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
+    using Element = typename Tr::Element;
+    using T = typename Tr::T;
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+    constexpr bool kCausal = Tr::kMask == Mask::Causal;
+    static_assert(Tr::kMask != Mask::Local, "local windows are served by the sm80 family");
+    FwdParams const& params = args.p;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    uint32_t const smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    uint32_t const sQ = smem;
+    auto sK = [&](int stage) { return sQ + Tr::kQBytes + stage * 2 * Tr::kKVBytes; };
+    auto sV = [&](int stage) { return sK(stage) + Tr::kKVBytes; };
+    uint32_t const bars = sQ + Tr::kQBytes + 2 * kStages * Tr::kKVBytes;
+    uint32_t const bar_q = bars;
+    auto full_k = [&](int stage) { return bars + 8 * (1 + stage); };
+    auto full_v = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
+    auto empty_k = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
+    auto empty_v = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+
+    int const tid = threadIdx.x;
+    int const warp = tid / 32, lane = tid % 32;
+    int const warpgroup = warp / 4;
+    // Under the causal mask the last query blocks see the most keys: start them first.
+    int const m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    int const bidh = blockIdx.y, bidb = blockIdx.z;
+    int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    int const diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag (bottom-right aligned)
+    int const m0 = m_block * kBlockM;
+    int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+    if constexpr (kCausal) {
+        int const right_end = m0 + kBlockM - 1 + diag + 1;  // exclusive key bound of the block's last row
+        n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
+    }
+    int const n_blocks = max(n_block_max, 0);
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_k(s), 1);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty_k(s), Tr::kConsumerThreads);
+            mbar_init(empty_v(s), Tr::kConsumerThreads);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        // ---- Producer. Key blocks go from the last to the first (the causal diagonal first).
+        setmaxnreg_dec<24>();
+        if (warp == 0 && lane == 0) {
+            int const bidh_kv = params.qhead_per_khead.div(bidh);
+            mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+            for (int p = 0; p < Tr::kPanels; ++p) {
+                tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, m0, bidh, bidb);
+            }
+            for (int it = 0; it < n_blocks; ++it) {
+                int const n_block = n_block_max - 1 - it;
+                int const stage = it % kStages;
+                uint32_t const parity = ((it / kStages) & 1) ^ 1;  // the previous use's phase
+                if (it >= kStages) mbar_wait(empty_k(stage), parity);
+                mbar_arrive_expect_tx(full_k(stage), Tr::kKVBytes);
+#pragma unroll
+                for (int p = 0; p < Tr::kPanels; ++p) {
+                    tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
+                                n_block * kBlockN, bidh_kv, bidb);
+                }
+                if (it >= kStages) mbar_wait(empty_v(stage), parity);
+                mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
+#pragma unroll
+                for (int p = 0; p < Tr::kPanels; ++p) {
+                    tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
+                                n_block * kBlockN, bidh_kv, bidb);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- Consumers: warpgroup c (0 or 1) owns rows 64 c .. 64 c + 63 of the block; thread (warp w
+    // of the warpgroup, lane) holds rows 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
+    // of each n8 slab of S and O (the wgmma accumulator layout).
+    setmaxnreg_inc<240>();
+    int const consumer = warpgroup - 1;
+    int const row_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
+    int const row0 = m0 + row_in_block;  // rows row0 and row0 + 8
+    float const scale_log2 = params.scale_log2;
+    constexpr int kSRegs = kBlockN / 2, kORegs = kHeadDim / 2;
+    float acc_o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) acc_o[i] = 0.f;
+    float row_max[2] = {-kInfinity, -kInfinity}, row_sum[2] = {0.f, 0.f};
+    uint32_t const q_rows = sQ + consumer * 64 * 128;
+
+    mbar_wait(bar_q, 0);
+    for (int it = 0; it < n_blocks; ++it) {
+        int const n_block = n_block_max - 1 - it;
+        int const stage = it % kStages;
+        uint32_t const parity = (it / kStages) & 1;
+        float s[kSRegs];
+        mbar_wait(full_k(stage), parity);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kHeadDim / 16; ++k) {
+            uint32_t const col = (k % 4) * 32;  // 16 columns = 32 bytes within the 128-byte panel rows
+            uint64_t const desc_q = smem_desc_sw128(q_rows + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
+            uint64_t const desc_k = smem_desc_sw128(sK(stage) + (k / 4) * Tr::kPanelKVBytes + col, 16, 1024);
+            wgmma_ss<Element, kBlockN, 0>(s, desc_q, desc_k, k > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+        mbar_arrive(empty_k(stage));
+
+        // Masks: keys past seqlen_k (zero-filled by the TMA) and, causal, right of the diagonal.
+        int const key0 = n_block * kBlockN;
+        bool const need_mask = key0 + kBlockN > seqlen_k ||
+                               (kCausal && key0 + kBlockN - 1 > m0 + consumer * 64 + diag);
+        if (need_mask) {
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int const key = key0 + i * 8 + 2 * (lane % 4) + (e & 1);
+                    int const row = row0 + 8 * (e >> 1);
+                    bool masked = key >= seqlen_k;
+                    if constexpr (kCausal) masked |= key > row + diag;
+                    if (masked) s[i * 4 + e] = -kInfinity;
+                }
+        }
+        // Online softmax, per row half (e >> 1).
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float block_max = -kInfinity;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i)
+                block_max = fmaxf(block_max, fmaxf(s[i * 4 + 2 * half], s[i * 4 + 2 * half + 1]));
+            block_max = quad_allreduce_max<4>(block_max);
+            float const new_max = fmaxf(row_max[half], block_max);
+            float const ref = new_max == -kInfinity ? 0.f : new_max * scale_log2;
+            float const correction = exp2_approx(row_max[half] * scale_log2 - ref);  // 0 while row_max is -inf
+            row_max[half] = new_max;
+            row_sum[half] *= correction;
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; ++i) {
+                acc_o[i * 4 + 2 * half] *= correction;
+                acc_o[i * 4 + 2 * half + 1] *= correction;
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i)
+#pragma unroll
+                for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                    float const p = exp2_approx(s[i * 4 + e] * scale_log2 - ref);
+                    s[i * 4 + e] = p;
+                    sum += p;
+                }
+            row_sum[half] += sum;
+        }
+        // P as the A operand of P·V: the k16 slice kk is S's n8 slabs 2 kk and 2 kk + 1.
+        uint32_t p[kBlockN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            p[kk][0] = Element::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+            p[kk][1] = Element::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+            p[kk][2] = Element::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+            p[kk][3] = Element::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        mbar_wait(full_v(stage), parity);
+        fence_registers(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            // V rows kk * 16.. (K of this MMA), all head-dim columns (N), MN-major.
+            uint64_t const desc_v = smem_desc_sw128(sV(stage) + kk * 16 * 128, Tr::kPanelKVBytes, 1024);
+            wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], desc_v, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(acc_o);
+        mbar_arrive(empty_v(stage));
+    }
+
+    // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
+    T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride;
+    float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride + bidh * params.lse_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float const sum = quad_allreduce_sum<4>(row_sum[half]);
+        float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+        int const row = row0 + 8 * half;
+        if (row < seqlen_q) {
+            T* o_row = o_base + row * params.o_row_stride;
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; ++i) {
+                *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
+                    Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
+            }
+            if (lane % 4 == 0) {
+                lse_out[row] = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+            }
+        }
+    }
+}
+
+}  // namespace flashgen

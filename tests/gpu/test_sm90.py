@@ -1,0 +1,88 @@
+"""GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
+
+The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
+with head dim 64/128/256, no mask or causal, no other feature); here it is held to FlashAttention's
+rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
+cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
+and compared with the sm80 family forced on the same inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashgen
+from flashgen.runtime import interface
+from test_fwd import DTYPE_NAMES, _seed, call_poisoned, check_against_ref, make_qkv  # noqa: F401 (_seed: autouse)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="the sm90 family runs on compute capability 9.0"),
+]
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+    pytest.param(2, 33, 1, 4, 4, id="sq33-sk1"),  # fewer rows take the sm80 decode tile
+    pytest.param(1, 113, 1023, 8, 2, id="sq113-sk1023-gqa4"),
+    pytest.param(2, 1023, 1023, 4, 4, id="sq1023-sk1023"),
+    pytest.param(1, 1023, 113, 4, 1, id="sq1023-sk113-mqa"),
+    pytest.param(3, 300, 128, 2, 2, id="sq300-sk128"),
+]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The URIs of the kernels flashgen launches while the test runs."""
+    uris = []
+    original = interface._launch
+
+    def spy(spec, *args, **kwargs):
+        uris.append(spec.uri)
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "_launch", spy)
+    return uris
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", SHAPES)
+def test_sm90_fwd(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    mask = "causal" if causal else "none"
+    uri = f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'_causal' if causal else ''}_sm90a"
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, causal=causal)
+    assert launched == [uri], f"the {mask} d{head_dim} call ran {launched}, not the sm90 family"
+    checked = check_against_ref(out, lse, q, k, v, causal=causal)
+
+    # The sm80 family on the same inputs: both meet the rule, so they agree to twice its bound.
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, causal=causal)
+    assert launched[1].startswith("flash_fwd_sm80_")
+    check_against_ref(out80, lse80, q, k, v, causal=causal, name="sm80 out")
+    bound = 2 * checked.rule_k * (checked.out_pt.float() - checked.out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - out80.float()).abs().max().item() <= bound
+
+
+def test_sm90_serves_strided_and_packed_inputs(monkeypatch, launched):
+    # q, k, v as views into one packed (batch, seqlen, 3, heads, d) tensor: 16-byte strides, so the
+    # TMA reads them in place.
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    qkv = torch.randn(2, 257, 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    out, lse = call_poisoned(flashgen.flash_attn_qkvpacked_func, qkv, causal=True)
+    assert launched == ["flash_fwd_sm90_hdim128_bf16_causal_sm90a"]
+    q, k, v = qkv.unbind(2)
+    check_against_ref(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("head_dim, kwargs", [
+    pytest.param(96, {}, id="d96"), pytest.param(128, {"window_size": (16, 0)}, id="local"),
+    pytest.param(128, {"softcap": 20.0}, id="softcap"),
+])
+def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
+    q, k, v = make_qkv(1, 128, 128, 4, 4, head_dim, torch.bfloat16)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **kwargs)
+    check_against_ref(out, lse, q, k, v, **kwargs)
+    assert len(launched) == 1 and launched[0].startswith("flash_fwd_sm80_"), launched
