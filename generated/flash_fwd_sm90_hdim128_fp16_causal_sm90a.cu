@@ -10,7 +10,7 @@ flash_fwd_sm90_hdim128_fp16_causal_sm90a(const __grid_constant__ flashgen::Sm90F
     using Traits = flashgen::Sm90FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/128, /*kBlockN=*/128, /*kStages=*/2,
-        flashgen::Mask::Causal>;
+        /*kOverlap=*/true, flashgen::Mask::Causal>;
     static_assert(Traits::kNThreads == 384, "threads: the kernel's and the host's differ");
     static_assert(Traits::kSmemBytes == 164936, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm90<Traits>(params);

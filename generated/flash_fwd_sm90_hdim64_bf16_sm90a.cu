@@ -10,7 +10,7 @@ flash_fwd_sm90_hdim64_bf16_sm90a(const __grid_constant__ flashgen::Sm90FwdParams
     using Traits = flashgen::Sm90FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockN=*/128, /*kStages=*/2,
-        flashgen::Mask::None>;
+        /*kOverlap=*/false, flashgen::Mask::None>;
     static_assert(Traits::kNThreads == 384, "threads: the kernel's and the host's differ");
     static_assert(Traits::kSmemBytes == 83016, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm90<Traits>(params);

@@ -78,6 +78,7 @@ def render_instance(spec: KernelSpec) -> str:
             head_dim=spec.head_dim,
             block_n=tile.block_n,
             stages=tile.stages,
+            overlap=_cpp_bool(tile.overlap),
             num_threads=tile.num_threads,
             smem_bytes=tile.smem_bytes(spec.head_dim),
             mask_enum=spec.mask.capitalize(),

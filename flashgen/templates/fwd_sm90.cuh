@@ -8,16 +8,17 @@
 //     away (setmaxnreg) to
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
-//     O += P·V (wgmma, P from registers, V from shared memory, MN-major).
+//     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
+//     P·V runs on the tensor cores during block j + 1's softmax.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B; the wgmma
 // descriptors' 128-byte swizzle mode): row r of a panel is 128 bytes at r * 128, its 16-byte
 // chunks permuted by r % 8, 8-row atoms 1024 bytes apart. Rows past a sequence's end are
 // zero-filled by the TMA (its bounds are the tensor's), so no load is predicated.
 //
 // Not yet here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen,
-// local windows, softcap, ALiBi, dropout, head dims other than 64/128/256, and the
-// performance features of FlashAttention-3 beyond warp specialization (ping-pong scheduling of
-// the two consumers, softmax overlapped with the next Q·Kᵀ, a persistent scheduler).
+// local windows, softcap, ALiBi, dropout, head dims other than 64/128/256; and of
+// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers, a
+// persistent tile scheduler, and O stored through shared memory by the TMA.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -314,7 +315,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     else wgmma_rs_m64n256k16<Element, kTransB>(d, a, desc_b, accumulate);
 }
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, Mask kMask_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_>
 struct Sm90FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -323,6 +324,8 @@ struct Sm90FwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
     static constexpr Mask kMask = kMask_;
+    // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
+    static constexpr bool kOverlap = kOverlap_;
     static constexpr int kNThreads = 384;
     static constexpr int kConsumerThreads = 256;
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
@@ -436,14 +439,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     float row_max[2] = {-kInfinity, -kInfinity}, row_sum[2] = {0.f, 0.f};
     uint32_t const q_rows = sQ + consumer * 64 * 128;
 
-    mbar_wait(bar_q, 0);
-    for (int it = 0; it < n_blocks; ++it) {
-        int const n_block = n_block_max - 1 - it;
-        int const stage = it % kStages;
-        uint32_t const parity = (it / kStages) & 1;
-        float s[kSRegs];
-        mbar_wait(full_k(stage), parity);
-        wgmma_fence();
+    // S = Q·Kᵀ of a stage into s, issued (the caller commits and waits).
+    auto issue_qk = [&](int stage, float (&s)[kSRegs]) {
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
             uint32_t const col = (k % 4) * 32;  // 16 columns = 32 bytes within the 128-byte panel rows
@@ -451,12 +448,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             uint64_t const desc_k = smem_desc_sw128(sK(stage) + (k / 4) * Tr::kPanelKVBytes + col, 16, 1024);
             wgmma_ss<Element, kBlockN, 0>(s, desc_q, desc_k, k > 0);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-        mbar_arrive(empty_k(stage));
-
-        // Masks: keys past seqlen_k (zero-filled by the TMA) and, causal, right of the diagonal.
+    };
+    // O += P·V of a stage, issued: V rows kk * 16.. are the K of MMA kk, all head-dim columns its N
+    // (MN-major, 64-column panels kPanelKVBytes apart).
+    auto issue_pv = [&](int stage, const uint32_t (&p)[kBlockN / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            uint64_t const desc_v = smem_desc_sw128(sV(stage) + kk * 16 * 128, Tr::kPanelKVBytes, 1024);
+            wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], desc_v, 1);
+        }
+    };
+    // The online softmax of block n_block: masks (keys past seqlen_k, zero-filled by the TMA, and
+    // causal, right of the diagonal), the new row maxima, s -> P in place, row sums; returns in
+    // `correction` the factor for O, which the caller applies once no MMA still adds to O.
+    auto softmax = [&](int n_block, float (&s)[kSRegs], float (&correction)[2]) {
         int const key0 = n_block * kBlockN;
         bool const need_mask = key0 + kBlockN > seqlen_k ||
                                (kCausal && key0 + kBlockN - 1 > m0 + consumer * 64 + diag);
@@ -472,7 +477,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                     if (masked) s[i * 4 + e] = -kInfinity;
                 }
         }
-        // Online softmax, per row half (e >> 1).
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float block_max = -kInfinity;
@@ -482,14 +486,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             block_max = quad_allreduce_max<4>(block_max);
             float const new_max = fmaxf(row_max[half], block_max);
             float const ref = new_max == -kInfinity ? 0.f : new_max * scale_log2;
-            float const correction = exp2_approx(row_max[half] * scale_log2 - ref);  // 0 while row_max is -inf
+            correction[half] = exp2_approx(row_max[half] * scale_log2 - ref);  // 0 while row_max is -inf
             row_max[half] = new_max;
-            row_sum[half] *= correction;
-#pragma unroll
-            for (int i = 0; i < kHeadDim / 8; ++i) {
-                acc_o[i * 4 + 2 * half] *= correction;
-                acc_o[i * 4 + 2 * half + 1] *= correction;
-            }
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i)
@@ -499,10 +497,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                     s[i * 4 + e] = p;
                     sum += p;
                 }
-            row_sum[half] += sum;
+            row_sum[half] = row_sum[half] * correction[half] + sum;
         }
-        // P as the A operand of P·V: the k16 slice kk is S's n8 slabs 2 kk and 2 kk + 1.
-        uint32_t p[kBlockN / 16][4];
+    };
+    auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[i * 4 + e] *= correction[e >> 1];
+    };
+    // P as the A operand of P·V: the k16 slice kk is S's n8 slabs 2 kk and 2 kk + 1.
+    auto pack_p = [&](const float (&s)[kSRegs], uint32_t (&p)[kBlockN / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             p[kk][0] = Element::pack2(s[8 * kk + 0], s[8 * kk + 1]);
@@ -510,19 +515,85 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             p[kk][2] = Element::pack2(s[8 * kk + 4], s[8 * kk + 5]);
             p[kk][3] = Element::pack2(s[8 * kk + 6], s[8 * kk + 7]);
         }
-        mbar_wait(full_v(stage), parity);
+    };
+
+    // Key blocks go from the last to the first. kOverlap: block it's P·V is issued with block
+    // it + 1's Q·Kᵀ, so that the softmax of block it + 1 runs while the tensor cores add block it
+    // to O (FlashAttention-3's intra-warpgroup overlap); O is rescaled once that MMA has finished.
+    // Otherwise each block's two MMAs and its softmax follow one another.
+    mbar_wait(bar_q, 0);
+    uint32_t p[kBlockN / 16][4];
+    if constexpr (!Tr::kOverlap) {
+        for (int it = 0; it < n_blocks; ++it) {
+            int const stage = it % kStages;
+            uint32_t const parity = (it / kStages) & 1;
+            float s[kSRegs];
+            float correction[2];
+            mbar_wait(full_k(stage), parity);
+            wgmma_fence();
+            issue_qk(stage, s);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(s);
+            mbar_arrive(empty_k(stage));
+            softmax(n_block_max - 1 - it, s, correction);
+            rescale_o(correction);
+            pack_p(s, p);
+            mbar_wait(full_v(stage), parity);
+            fence_registers(acc_o);
+            wgmma_fence();
+            issue_pv(stage, p);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(acc_o);
+            mbar_arrive(empty_v(stage));
+        }
+    }
+    if (Tr::kOverlap && n_blocks > 0) {
+        float s[kSRegs];
+        float correction[2];
+        mbar_wait(full_k(0), 0);
+        wgmma_fence();
+        issue_qk(0, s);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+        mbar_arrive(empty_k(0));
+        softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
+        pack_p(s, p);
+    }
+    for (int it = 1; Tr::kOverlap && it < n_blocks; ++it) {
+        int const stage = it % kStages, prev = (it - 1) % kStages;
+        float s[kSRegs];
+        float correction[2];
+        mbar_wait(full_k(stage), (it / kStages) & 1);
         fence_registers(acc_o);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            // V rows kk * 16.. (K of this MMA), all head-dim columns (N), MN-major.
-            uint64_t const desc_v = smem_desc_sw128(sV(stage) + kk * 16 * 128, Tr::kPanelKVBytes, 1024);
-            wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], desc_v, 1);
-        }
+        issue_qk(stage, s);
+        wgmma_commit();
+        mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);
+        issue_pv(prev, p);
+        wgmma_commit();
+        wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
+        fence_registers(s);
+        mbar_arrive(empty_k(stage));
+        softmax(n_block_max - 1 - it, s, correction);
+        wgmma_wait<0>();
+        fence_registers(acc_o);
+        mbar_arrive(empty_v(prev));
+        rescale_o(correction);
+        pack_p(s, p);
+    }
+    if (Tr::kOverlap && n_blocks > 0) {
+        int const last = (n_blocks - 1) % kStages;
+        mbar_wait(full_v(last), ((n_blocks - 1) / kStages) & 1);
+        fence_registers(acc_o);
+        wgmma_fence();
+        issue_pv(last, p);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(acc_o);
-        mbar_arrive(empty_v(stage));
+        mbar_arrive(empty_v(last));
     }
 
     // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
