@@ -83,10 +83,12 @@ def list_command(direction: str | None, arch: list[str] | None, as_json: bool) -
 
 
 def _expected_files() -> dict[str, str]:
-    """Everything `emit` writes, by file name: one .cu per instance, the Params header, the manifest."""
+    """Everything `emit` writes, by file name: one .cu per instance, the rendered headers (Params,
+    wgmma wrappers), the manifest."""
     specs = matrix.all_specs()
     files = {render.instance_filename(s): render.render_instance(s) for s in specs}
     files[render.PARAMS_HEADER] = render.render_params_header()
+    files[render.wgmma.HEADER] = render.render_wgmma_header()
     manifest = sorted(
         ({"uri": s.uri, "file": render.instance_filename(s), **s.to_dict()} for s in specs),
         key=lambda entry: entry["uri"],

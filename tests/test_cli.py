@@ -44,7 +44,7 @@ def test_emit_then_check(tmp_path):
     run("emit", "--out", str(out))
     specs = matrix.all_specs()
     files = {p.name for p in out.iterdir()}
-    assert files == {render.instance_filename(s) for s in specs} | {render.PARAMS_HEADER, MANIFEST}
+    assert files == {render.instance_filename(s) for s in specs} | {render.PARAMS_HEADER, render.wgmma.HEADER, MANIFEST}
     manifest = json.loads((out / MANIFEST).read_text())
     assert [m["uri"] for m in manifest] == sorted(s.uri for s in specs)
     assert manifest[0]["file"] == f"{manifest[0]['uri']}.cu"

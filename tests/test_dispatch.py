@@ -225,6 +225,21 @@ def test_sm90_tiles_fit_and_match_the_kernel_layout():
         fwd_tile("sm90", "sm_90a", 96)
 
 
+def test_sm90_wgmma_wrappers_cover_the_tiles():
+    # S = Q·Kᵀ is a wgmma with N = block_n, O += P·V one with N = head_dim: both must be rendered.
+    from flashgen.generator import render, wgmma
+    from flashgen.generator.matrix import SM90_FWD_HEAD_DIMS
+    from flashgen.generator.tiles import fwd_tile
+
+    header = render.header_sources()[wgmma.HEADER]
+    for head_dim in SM90_FWD_HEAD_DIMS:
+        for n in (fwd_tile("sm90", "sm_90a", head_dim).block_n, head_dim):
+            assert n in wgmma.N_TILES
+            for kind in ("ss", "rs"):
+                assert f"void wgmma_{kind}_m64n{n}k16(float (&d)[{n // 2}]" in header
+                assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in header
+
+
 def test_bwd_plan_keeps_the_base_family_when_sm90_is_forced():
     from flashgen.runtime.backward import plan_bwd
 

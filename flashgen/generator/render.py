@@ -8,6 +8,7 @@ from pathlib import Path
 import jinja2
 
 from ..runtime.params import LAYOUTS, render_struct
+from . import wgmma
 from .spec import ROW_DIRECTIONS, KernelSpec
 from .tiles import ROW_KERNEL_WARPS, bwd_tile, fwd_tile
 
@@ -103,6 +104,11 @@ def render_instance(spec: KernelSpec) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def render_wgmma_header() -> str:
+    return wgmma.render_wgmma_header(DO_NOT_EDIT)
+
+
+@functools.lru_cache(maxsize=1)
 def render_params_header() -> str:
     return _env().get_template(PARAMS_HEADER + ".j2").render(
         do_not_edit=DO_NOT_EDIT,
@@ -115,4 +121,5 @@ def header_sources() -> dict[str, str]:
     rendered Params header. NVRTC receives them in memory, and the cache key digests them all."""
     headers = {p.name: p.read_text() for p in sorted(TEMPLATES_DIR.glob("*.cuh"))}
     headers[PARAMS_HEADER] = render_params_header()
+    headers[wgmma.HEADER] = render_wgmma_header()
     return headers

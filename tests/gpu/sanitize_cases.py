@@ -16,7 +16,10 @@ What each group reaches (issue 8):
   * paged KV with page sizes 1 and 17, append + rotary (GPT-J and GPT-NeoX), leftpad,
     cache_batch_idx, NaN outside the valid cache range;
   * backward (dq, dk, dv), GQA, d256, and deterministic mode;
-  * flash_attn_combine, 1 to 256 splits.
+  * flash_attn_combine, 1 to 256 splits;
+  * on Hopper, the sm90 forward (TMA + wgmma): every flash_attn_func case above with head dim
+    64/128/256, no mask or causal and more than 32 rows runs it, plus its own edge cases below
+    (a row block of one row, one key, key blocks cut by seqlen_k, GQA without packing).
 
 Shapes are small (a sanitizer slows kernels 10-100x) and mostly bf16, so that the kernels they need
 are few (prebuilt by scripts/sanitize.sh with `flashgen build --filter`). The checks and input
@@ -124,6 +127,17 @@ def test_sanitize_fwd_seqlen_k_zero(mask):
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **mask)
     assert out.shape == q.shape and (out == 0).all()
     assert lse.shape == (2, 4, 17) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask", [
+    pytest.param(129, 1, 4, 4, 64, NONE, id="core-sm90-sq129-sk1-d64"),
+    pytest.param(1000, 257, 8, 2, 256, CAUSAL, id="sm90-sq1000-sk257-gqa8_2-d256-causal"),
+    pytest.param(33, 1023, 4, 1, 128, CAUSAL, id="sm90-sq33-sk1023-mqa-d128-causal"),
+])
+def test_sanitize_fwd_sm90(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
+    """Shapes for the sm90 forward's edges (on other GPUs they run the sm80 family)."""
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    check_fwd(q, k, v, pack_gqa=False, **mask)
 
 
 # ---------------------------------------------------------------------------------------------
