@@ -202,7 +202,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 @pytest.mark.parametrize("change", [
     dict(head_dim=96), dict(head_dim=120), dict(window_size=(16, 0)), dict(softcap=30.0), dict(pack_gqa=True, nheads_k=4),
     dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True), dict(varlen=True),
-    dict(dropout=True),
+    dict(dropout=True), dict(seqlen_k=0),
 ])
 def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
     chosen = plan(sm90=True, **change)

@@ -180,7 +180,8 @@ def plan_fwd(
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, dropout=dropout,
         )
-    if allow_sm90 and num_splits == 1 and sm90_covers(
+    # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
+    if allow_sm90 and num_splits == 1 and seqlen_k > 0 and sm90_covers(
         head_dim=head_dim, mask=mask, softcap=softcap, pack_gqa=pack, paged=paged, decode=decode, varlen=varlen,
         dropout=dropout,
     ):

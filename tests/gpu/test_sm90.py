@@ -86,3 +86,13 @@ def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **kwargs)
     check_against_ref(out, lse, q, k, v, **kwargs)
     assert len(launched) == 1 and launched[0].startswith("flash_fwd_sm80_"), launched
+
+
+def test_no_keys_takes_sm80(monkeypatch, launched):
+    # seqlen_k = 0 with more than 32 rows: nothing for the TMA to map; the sm80 kernel writes the
+    # zeros and the -inf lse.
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    q, k, v = make_qkv(2, 100, 0, 4, 4, 128, torch.bfloat16)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    assert len(launched) == 1 and launched[0].startswith("flash_fwd_sm80_"), launched
