@@ -261,13 +261,15 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     index = device_index(q)
+    info = device_info(index)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
-        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(index),
+        softcap=float(softcap), pack_gqa=pack_gqa, device=info,
         num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
-        sm90=alibi_slopes is None and tma.compatible(q, k, v),
+        # The TMA checks only where an sm90 instance could run (Hopper), not on every call.
+        sm90=alibi_slopes is None and info.capability[0] == 9 and tma.compatible(q, k, v),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
