@@ -203,4 +203,20 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint3
     }
 }
 
+template <typename Element, int N, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
+    if constexpr (N == 64) wgmma_ss_m64n64k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 128) wgmma_ss_m64n128k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 256) wgmma_ss_m64n256k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
+}
+
+template <typename Element, int N, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    static_assert(N == 64 || N == 128 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
+    if constexpr (N == 64) wgmma_rs_m64n64k16<Element, kTransB>(d, a, desc_b, accumulate);
+    else if constexpr (N == 128) wgmma_rs_m64n128k16<Element, kTransB>(d, a, desc_b, accumulate);
+    else if constexpr (N == 256) wgmma_rs_m64n256k16<Element, kTransB>(d, a, desc_b, accumulate);
+}
+
 }  // namespace flashgen

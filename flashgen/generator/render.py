@@ -77,6 +77,7 @@ def render_instance(spec: KernelSpec) -> str:
             **common,
             element_type=_ELEMENT_TYPES[spec.dtype],
             head_dim=spec.head_dim,
+            block_m=tile.block_m,
             block_n=tile.block_n,
             stages=tile.stages,
             overlap=_cpp_bool(tile.overlap),

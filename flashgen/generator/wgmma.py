@@ -44,8 +44,24 @@ def _wrapper(n: int, a_from_registers: bool) -> str:
     )
 
 
+def _dispatcher(kind: str, a_param: str, a_arg: str) -> str:
+    """wgmma_{kind}<Element, N, kTransB>: the m64nNk16 wrapper for a compile-time N."""
+    branches = "\n".join(
+        f"    {'if' if i == 0 else 'else if'} constexpr (N == {n}) wgmma_{kind}_m64n{n}k16<Element, kTransB>(d, {a_arg}, desc_b, accumulate);"
+        for i, n in enumerate(N_TILES)
+    )
+    allowed = " || ".join(f"N == {n}" for n in N_TILES)
+    return (
+        f"template <typename Element, int N, int kTransB>\n"
+        f"__device__ __forceinline__ void wgmma_{kind}(float (&d)[N / 2], {a_param}, uint64_t desc_b, int accumulate) {{\n"
+        f"    static_assert({allowed}, \"no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)\");\n"
+        f"{branches}\n}}\n"
+    )
+
+
 def render_wgmma_header(do_not_edit: str) -> str:
     wrappers = "\n".join(_wrapper(n, a_from_registers) for n in N_TILES for a_from_registers in (False, True))
+    wrappers += "\n" + _dispatcher("ss", "uint64_t desc_a", "desc_a") + "\n" + _dispatcher("rs", "const uint32_t (&a)[4]", "a")
     return f"""// {do_not_edit}
 // Rendered by flashgen/generator/wgmma.py: D[64 x N] (+)= A · B with f32 accumulators (d), A from
 // shared memory (wgmma_ss: desc_a) or registers (wgmma_rs: a, the m64k16 fragment), B from shared

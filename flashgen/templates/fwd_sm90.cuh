@@ -109,22 +109,6 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
            (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
 }
 
-// D[64 x N] (+)= A · B for N = 64, 128 or 256.
-template <typename Element, int N, int kTransB>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma N tile");
-    if constexpr (N == 64) wgmma_ss_m64n64k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
-    else if constexpr (N == 128) wgmma_ss_m64n128k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
-    else wgmma_ss_m64n256k16<Element, kTransB>(d, desc_a, desc_b, accumulate);
-}
-template <typename Element, int N, int kTransB>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma N tile");
-    if constexpr (N == 64) wgmma_rs_m64n64k16<Element, kTransB>(d, a, desc_b, accumulate);
-    else if constexpr (N == 128) wgmma_rs_m64n128k16<Element, kTransB>(d, a, desc_b, accumulate);
-    else wgmma_rs_m64n256k16<Element, kTransB>(d, a, desc_b, accumulate);
-}
-
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_>
 struct Sm90FwdTraits {
     using Element = Element_;
