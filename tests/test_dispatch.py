@@ -186,7 +186,13 @@ def test_bwd_tile_rejects_warps_that_do_not_split_the_keys():
 def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     hopper = plan(sm90=True)
     assert (hopper.spec.family, hopper.spec.arch) == ("sm90", "sm_90a") and is_in_matrix(hopper.spec)
-    assert hopper.grid == (4, 16, 2) and hopper.tile.num_threads == 384 and hopper.num_splits == 1
+    assert hopper.grid == (128, 1, 1) and hopper.tile.num_threads == 384 and hopper.num_splits == 1  # 4 x 16 x 2 tiles
+    assert plan(sm90=True, batch=8).grid == (132, 1, 1)  # one persistent CTA per SM
+    # Fewer work units than SMs: one CTA per unit, a tile, or under the causal mask a pair of row
+    # blocks (m, last - m), a lone middle block of an odd count its own unit.
+    assert plan(sm90=True, batch=1, seqlen_q=640, seqlen_k=640).grid == (5 * 16, 1, 1)
+    assert plan(sm90=True, batch=1, seqlen_q=640, seqlen_k=640, causal=True).grid == (3 * 16, 1, 1)
+    assert plan(sm90=True, batch=1, seqlen_q=512, seqlen_k=512, causal=True).grid == (2 * 16, 1, 1)
     assert plan(sm90=True, causal=True).spec.mask == "causal"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     assert plan(sm90=True, head_dim=256).tile.block_n == 64

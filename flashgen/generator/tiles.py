@@ -126,9 +126,9 @@ class Sm90FwdTile:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 1 + 4 * stages mbarriers."""
+        """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 2 + 4 * stages mbarriers."""
         panels = head_dim // 64
-        return 1024 + panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 4 * self.stages)
+        return 1024 + panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (2 + 4 * self.stages)
 
     def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
         return 1

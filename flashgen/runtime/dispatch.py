@@ -187,7 +187,11 @@ def plan_fwd(
     ):
         tile = fwd_tile("sm90", arch, head_dim)
         spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask)
-        return FwdPlan(spec, tile, (-(-seqlen_q // tile.block_m), nheads, batch), 1, window_left, window_right)
+        # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
+        # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh).
+        row_blocks = -(-seqlen_q // tile.block_m)
+        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * nheads * batch
+        return FwdPlan(spec, tile, (min(units, device.num_sms), 1, 1), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)

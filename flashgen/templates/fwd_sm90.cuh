@@ -1,11 +1,13 @@
 // The sm90 forward family (Hopper, compiled for sm_90a): FlashAttention's forward with the tensor
 // cores' warpgroup MMA (wgmma) and the TMA copy engine, warp-specialized.
 //
-// A CTA owns kBlockM = 128 query rows of one (batch, head) and is three warpgroups:
-//   warpgroup 0, the producer: one thread issues TMA loads of Q (once) and of the K and V blocks
-//     into a ring of kStages stages, each completing on its own mbarrier ("full"); it refills a
-//     stage once both consumers have released it (the "empty" mbarriers). It gives its registers
-//     away (setmaxnreg) to
+// A CTA is persistent (one per SM): it loops over tiles of kBlockM = 128 query rows of one
+// (batch, head) on a static, cost-balanced schedule (below), and is three warpgroups:
+//   warpgroup 0, the producer: one thread issues TMA loads of each tile's Q and of the K and V
+//     blocks into a ring of kStages stages, each completing on its own mbarrier ("full"); it
+//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring runs
+//     on across tiles, so the next tile's loads overlap this tile's last blocks and epilogue. It
+//     gives its registers away (setmaxnreg) to
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
@@ -17,8 +19,8 @@
 //
 // Not yet here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen,
 // local windows, softcap, ALiBi, dropout, head dims other than 64/128/256; and of
-// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers, a
-// persistent tile scheduler, and O stored through shared memory by the TMA.
+// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers and O
+// stored through shared memory by the TMA.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -127,7 +129,7 @@ struct Sm90FwdTraits {
     static constexpr int kPanelKVBytes = kBlockN * 128;
     static constexpr int kQBytes = kPanels * kPanelQBytes;
     static constexpr int kKVBytes = kPanels * kPanelKVBytes;  // one K or V block
-    static constexpr int kBarriers = 1 + 4 * kStages;         // Q; full and empty, K and V, per stage
+    static constexpr int kBarriers = 2 + 4 * kStages;         // Q full and empty; full and empty, K and V, per stage
     // 1024 bytes of slack to align the swizzle atoms, Q, the K/V ring, the mbarriers. The
     // instance checks it against the host's request (Sm90FwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
@@ -150,30 +152,54 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     auto sK = [&](int stage) { return sQ + Tr::kQBytes + stage * 2 * Tr::kKVBytes; };
     auto sV = [&](int stage) { return sK(stage) + Tr::kKVBytes; };
     uint32_t const bars = sQ + Tr::kQBytes + 2 * kStages * Tr::kKVBytes;
-    uint32_t const bar_q = bars;
-    auto full_k = [&](int stage) { return bars + 8 * (1 + stage); };
-    auto full_v = [&](int stage) { return bars + 8 * (1 + kStages + stage); };
-    auto empty_k = [&](int stage) { return bars + 8 * (1 + 2 * kStages + stage); };
-    auto empty_v = [&](int stage) { return bars + 8 * (1 + 3 * kStages + stage); };
+    uint32_t const bar_q = bars, bar_q_empty = bars + 8;
+    auto full_k = [&](int stage) { return bars + 8 * (2 + stage); };
+    auto full_v = [&](int stage) { return bars + 8 * (2 + kStages + stage); };
+    auto empty_k = [&](int stage) { return bars + 8 * (2 + 2 * kStages + stage); };
+    auto empty_v = [&](int stage) { return bars + 8 * (2 + 3 * kStages + stage); };
 
     int const tid = threadIdx.x;
     int const warp = tid / 32, lane = tid % 32;
     int const warpgroup = warp / 4;
-    // Under the causal mask the last query blocks see the most keys: start them first.
-    int const m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-    int const bidh = blockIdx.y, bidb = blockIdx.z;
     int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
     int const diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag (bottom-right aligned)
-    int const m0 = m_block * kBlockM;
-    int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
-    if constexpr (kCausal) {
-        int const right_end = m0 + kBlockM - 1 + diag + 1;  // exclusive key bound of the block's last row
-        n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
-    }
-    int const n_blocks = max(n_block_max, 0);
+    // Persistent CTAs on a static schedule: CTA b takes work units b, b + gridDim.x, ... Without
+    // a mask a unit is one tile (batch, head, row block), row blocks fastest, so that the CTAs
+    // working at once share a head's K/V in L2. Under the causal mask the row blocks' costs grow
+    // linearly, so a unit is a pair of row blocks m and m_blocks - 1 - m of one head, the costlier
+    // first: every unit sees about the same number of key blocks, and the CTAs end together
+    // without an atomic tile counter (the middle row block of an odd count is a unit alone).
+    int const m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head)
+    int const units = pairs * params.nheads * params.batch;
+    struct Tile {
+        int m0, bidh, bidb, n_block_max;
+    };
+    // Slot i of this CTA: 1 and its tile, 0 for the missing second half of a lone middle row
+    // block, -1 once the units have run out.
+    auto tile_of_slot = [&](int slot, Tile& tile) {
+        int const half = kCausal ? slot & 1 : 0;
+        int const unit = (kCausal ? slot >> 1 : slot) * int(gridDim.x) + int(blockIdx.x);
+        if (unit >= units) return -1;
+        int const bh = unit / pairs;
+        int const p = unit - bh * pairs;
+        int const m_block = kCausal ? (half ? p : m_blocks - 1 - p) : p;
+        if (kCausal && half && m_block == m_blocks - 1 - p) return 0;
+        tile.bidb = bh / params.nheads;
+        tile.bidh = bh - tile.bidb * params.nheads;
+        tile.m0 = m_block * kBlockM;
+        int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+        if constexpr (kCausal) {
+            int const right_end = tile.m0 + kBlockM - 1 + diag + 1;  // exclusive key bound of its last row
+            n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
+        }
+        tile.n_block_max = max(n_block_max, 0);
+        return 1;
+    };
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(bar_q_empty, Tr::kConsumerThreads);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
@@ -186,33 +212,45 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     __syncthreads();
 
     if (warpgroup == 0) {
-        // ---- Producer. Key blocks go from the last to the first (the causal diagonal first).
+        // ---- Producer. Key blocks go from the last to the first (the causal diagonal first). The
+        // K/V ring runs on across tiles (block `used` counts every block this CTA loaded), so the
+        // next tile's Q and first blocks load during this tile's last blocks and its epilogue.
         setmaxnreg_dec<24>();
         if (warp == 0 && lane == 0) {
-            int const bidh_kv = params.qhead_per_khead.div(bidh);
-            mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-            for (int p = 0; p < Tr::kPanels; ++p) {
-                tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, m0, bidh, bidb);
-            }
-            for (int it = 0; it < n_blocks; ++it) {
-                int const n_block = n_block_max - 1 - it;
-                int const stage = it % kStages;
-                uint32_t const parity = ((it / kStages) & 1) ^ 1;  // the previous use's phase
-                if (it >= kStages) mbar_wait(empty_k(stage), parity);
-                mbar_arrive_expect_tx(full_k(stage), Tr::kKVBytes);
+            int used = 0, tile_count = 0;
+            for (int slot = 0;; ++slot) {
+                Tile tile;
+                int const found = tile_of_slot(slot, tile);
+                if (found < 0) break;
+                if (found == 0) continue;
+                int const bidh_kv = params.qhead_per_khead.div(tile.bidh);
+                if (tile_count > 0) mbar_wait(bar_q_empty, (tile_count - 1) & 1);  // the last tile's Q is free
+                mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
                 for (int p = 0; p < Tr::kPanels; ++p) {
-                    tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
-                                n_block * kBlockN, bidh_kv, bidb);
+                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, tile.m0, tile.bidh, tile.bidb);
                 }
-                if (it >= kStages) mbar_wait(empty_v(stage), parity);
-                mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
+                for (int it = 0; it < tile.n_block_max; ++it, ++used) {
+                    int const n_block = tile.n_block_max - 1 - it;
+                    int const bidb = tile.bidb;
+                    int const stage = used % kStages;
+                    uint32_t const parity = ((used / kStages) & 1) ^ 1;  // the previous use's phase
+                    if (used >= kStages) mbar_wait(empty_k(stage), parity);
+                    mbar_arrive_expect_tx(full_k(stage), Tr::kKVBytes);
 #pragma unroll
-                for (int p = 0; p < Tr::kPanels; ++p) {
-                    tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
-                                n_block * kBlockN, bidh_kv, bidb);
+                    for (int p = 0; p < Tr::kPanels; ++p) {
+                        tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
+                                    n_block * kBlockN, bidh_kv, bidb);
+                    }
+                    if (used >= kStages) mbar_wait(empty_v(stage), parity);
+                    mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
+#pragma unroll
+                    for (int p = 0; p < Tr::kPanels; ++p) {
+                        tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
+                                    n_block * kBlockN, bidh_kv, bidb);
+                    }
                 }
+                ++tile_count;
             }
         }
         return;
@@ -224,14 +262,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     setmaxnreg_inc<240>();
     int const consumer = warpgroup - 1;
     int const row_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
-    int const row0 = m0 + row_in_block;  // rows row0 and row0 + 8
     float const scale_log2 = params.scale_log2;
     constexpr int kSRegs = kBlockN / 2, kORegs = kHeadDim / 2;
-    float acc_o[kORegs];
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {-kInfinity, -kInfinity}, row_sum[2] = {0.f, 0.f};
     uint32_t const q_rows = sQ + consumer * 64 * 128;
+    // The current tile (the lambdas below read these) and its running state.
+    int m0 = 0, row0 = 0, n_block_max = 0;
+    float acc_o[kORegs];
+    float row_max[2], row_sum[2];
 
     // S = Q·Kᵀ of a stage into s, issued (the caller commits and waits).
     auto issue_qk = [&](int stage, float (&s)[kSRegs]) {
@@ -311,104 +348,129 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         }
     };
 
-    // Key blocks go from the last to the first. kOverlap: block it's P·V is issued with block
-    // it + 1's Q·Kᵀ, so that the softmax of block it + 1 runs while the tensor cores add block it
-    // to O (FlashAttention-3's intra-warpgroup overlap); O is rescaled once that MMA has finished.
-    // Otherwise each block's two MMAs and its softmax follow one another.
-    mbar_wait(bar_q, 0);
-    uint32_t p[kBlockN / 16][4];
-    if constexpr (!Tr::kOverlap) {
-        for (int it = 0; it < n_blocks; ++it) {
-            int const stage = it % kStages;
-            uint32_t const parity = (it / kStages) & 1;
+    int used = 0, tile_count = 0;  // K/V blocks consumed by this CTA so far (the ring's position); tiles done
+    for (int slot = 0;; ++slot) {
+        Tile tile;
+        int const found = tile_of_slot(slot, tile);
+        if (found < 0) break;
+        if (found == 0) continue;
+        m0 = tile.m0;
+        row0 = m0 + row_in_block;  // rows row0 and row0 + 8
+        n_block_max = tile.n_block_max;
+        int const n_blocks = n_block_max;
+        int const bidh = tile.bidh, bidb = tile.bidb;
+#pragma unroll
+        for (int i = 0; i < kORegs; ++i) acc_o[i] = 0.f;
+        row_max[0] = row_max[1] = -kInfinity;
+        row_sum[0] = row_sum[1] = 0.f;
+        // Ring position of the tile's block it.
+        auto stage_of = [&](int it) { return (used + it) % kStages; };
+        auto parity_of = [&](int it) { return uint32_t(((used + it) / kStages) & 1); };
+
+        // Key blocks go from the last to the first. kOverlap: block it's P·V is issued with block
+        // it + 1's Q·Kᵀ, so that the softmax of block it + 1 runs while the tensor cores add block it
+        // to O (FlashAttention-3's intra-warpgroup overlap); O is rescaled once that MMA has finished.
+        // Otherwise each block's two MMAs and its softmax follow one another.
+        mbar_wait(bar_q, tile_count & 1);
+        uint32_t p[kBlockN / 16][4];
+        if constexpr (!Tr::kOverlap) {
+            for (int it = 0; it < n_blocks; ++it) {
+                int const stage = stage_of(it);
+                uint32_t const parity = parity_of(it);
+                float s[kSRegs];
+                float correction[2];
+                mbar_wait(full_k(stage), parity);
+                wgmma_fence();
+                issue_qk(stage, s);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_registers(s);
+                mbar_arrive(empty_k(stage));
+                softmax(n_block_max - 1 - it, s, correction);
+                rescale_o(correction);
+                pack_p(s, p);
+                mbar_wait(full_v(stage), parity);
+                fence_registers(acc_o);
+                wgmma_fence();
+                issue_pv(stage, p);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_registers(acc_o);
+                mbar_arrive(empty_v(stage));
+            }
+        }
+        if (Tr::kOverlap && n_blocks > 0) {
             float s[kSRegs];
             float correction[2];
-            mbar_wait(full_k(stage), parity);
+            mbar_wait(full_k(stage_of(0)), parity_of(0));
             wgmma_fence();
-            issue_qk(stage, s);
+            issue_qk(stage_of(0), s);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(s);
-            mbar_arrive(empty_k(stage));
-            softmax(n_block_max - 1 - it, s, correction);
-            rescale_o(correction);
+            mbar_arrive(empty_k(stage_of(0)));
+            softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
             pack_p(s, p);
-            mbar_wait(full_v(stage), parity);
+        }
+        for (int it = 1; Tr::kOverlap && it < n_blocks; ++it) {
+            int const stage = stage_of(it), prev = stage_of(it - 1);
+            float s[kSRegs];
+            float correction[2];
+            mbar_wait(full_k(stage), parity_of(it));
             fence_registers(acc_o);
             wgmma_fence();
-            issue_pv(stage, p);
+            issue_qk(stage, s);
+            wgmma_commit();
+            mbar_wait(full_v(prev), parity_of(it - 1));
+            issue_pv(prev, p);
+            wgmma_commit();
+            wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
+            fence_registers(s);
+            mbar_arrive(empty_k(stage));
+            softmax(n_block_max - 1 - it, s, correction);
+            wgmma_wait<0>();
+            fence_registers(acc_o);
+            mbar_arrive(empty_v(prev));
+            rescale_o(correction);
+            pack_p(s, p);
+        }
+        if (Tr::kOverlap && n_blocks > 0) {
+            int const last = stage_of(n_blocks - 1);
+            mbar_wait(full_v(last), parity_of(n_blocks - 1));
+            fence_registers(acc_o);
+            wgmma_fence();
+            issue_pv(last, p);
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(acc_o);
-            mbar_arrive(empty_v(stage));
+            mbar_arrive(empty_v(last));
         }
-    }
-    if (Tr::kOverlap && n_blocks > 0) {
-        float s[kSRegs];
-        float correction[2];
-        mbar_wait(full_k(0), 0);
-        wgmma_fence();
-        issue_qk(0, s);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-        mbar_arrive(empty_k(0));
-        softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
-        pack_p(s, p);
-    }
-    for (int it = 1; Tr::kOverlap && it < n_blocks; ++it) {
-        int const stage = it % kStages, prev = (it - 1) % kStages;
-        float s[kSRegs];
-        float correction[2];
-        mbar_wait(full_k(stage), (it / kStages) & 1);
-        fence_registers(acc_o);
-        wgmma_fence();
-        issue_qk(stage, s);
-        wgmma_commit();
-        mbar_wait(full_v(prev), ((it - 1) / kStages) & 1);
-        issue_pv(prev, p);
-        wgmma_commit();
-        wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
-        fence_registers(s);
-        mbar_arrive(empty_k(stage));
-        softmax(n_block_max - 1 - it, s, correction);
-        wgmma_wait<0>();
-        fence_registers(acc_o);
-        mbar_arrive(empty_v(prev));
-        rescale_o(correction);
-        pack_p(s, p);
-    }
-    if (Tr::kOverlap && n_blocks > 0) {
-        int const last = (n_blocks - 1) % kStages;
-        mbar_wait(full_v(last), ((n_blocks - 1) / kStages) & 1);
-        fence_registers(acc_o);
-        wgmma_fence();
-        issue_pv(last, p);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(acc_o);
-        mbar_arrive(empty_v(last));
-    }
 
-    // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
-    T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride;
-    float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride + bidh * params.lse_head_stride;
+        // Every Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
+        mbar_arrive(bar_q_empty);
+        used += n_blocks;
+
+        // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
+        T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride;
+        float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride + bidh * params.lse_head_stride;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float const sum = quad_allreduce_sum<4>(row_sum[half]);
-        float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
-        int const row = row0 + 8 * half;
-        if (row < seqlen_q) {
-            T* o_row = o_base + row * params.o_row_stride;
+        for (int half = 0; half < 2; ++half) {
+            float const sum = quad_allreduce_sum<4>(row_sum[half]);
+            float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            int const row = row0 + 8 * half;
+            if (row < seqlen_q) {
+                T* o_row = o_base + row * params.o_row_stride;
 #pragma unroll
-            for (int i = 0; i < kHeadDim / 8; ++i) {
-                *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
-                    Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
-            }
-            if (lane % 4 == 0) {
-                lse_out[row] = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                for (int i = 0; i < kHeadDim / 8; ++i) {
+                    *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
+                        Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
+                }
+                if (lane % 4 == 0) {
+                    lse_out[row] = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                }
             }
         }
+        ++tile_count;
     }
 }
 

@@ -27,6 +27,8 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
     pytest.param(2, 1023, 1023, 4, 4, id="sq1023-sk1023"),
     pytest.param(1, 1023, 113, 4, 1, id="sq1023-sk113-mqa"),
     pytest.param(3, 300, 128, 2, 2, id="sq300-sk128"),
+    # More work units than SMs: several per persistent CTA, the K/V ring and Q carried across them.
+    pytest.param(4, 2047, 2047, 16, 4, id="sq2047-gqa4-many-units"),
 ]
 
 
