@@ -141,6 +141,11 @@ class Sm90FwdTile:
 _FWD_SM90 = {64: Sm90FwdTile(128, overlap=False), 128: Sm90FwdTile(128), 256: Sm90FwdTile(64)}
 
 
+def sm90_mma_widths() -> tuple[int, ...]:
+    """The wgmma N the sm90 tiles need: each key block (S = Q·Kᵀ) and each head dim (O += P·V)."""
+    return tuple(sorted({tile.block_n for tile in _FWD_SM90.values()} | set(_FWD_SM90)))
+
+
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
     if family == "sm90":
         if decode or head_dim not in _FWD_SM90:

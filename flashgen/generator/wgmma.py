@@ -6,8 +6,10 @@ per N, so they are generated here rather than written out by hand for every N th
 """
 from __future__ import annotations
 
+from .tiles import sm90_mma_widths
+
 HEADER = "wgmma.cuh"
-N_TILES = (64, 128, 256)  # the wgmma N of S = Q·Kᵀ (the key block) and of O += P·V (the head dim)
+N_TILES = sm90_mma_widths()  # the wgmma N of S = Q·Kᵀ (the key block) and of O += P·V (the head dim)
 
 
 def _wrapper(n: int, a_from_registers: bool) -> str:
