@@ -194,6 +194,8 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(sm90=True, batch=1, seqlen_q=640, seqlen_k=640, causal=True).grid == (3 * 16, 1, 1)
     assert plan(sm90=True, batch=1, seqlen_q=512, seqlen_k=512, causal=True).grid == (2 * 16, 1, 1)
     assert plan(sm90=True, causal=True).spec.mask == "causal"
+    assert plan(sm90=True, window_size=(16, 0)).spec.mask == "local"
+    assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     assert plan(sm90=True, head_dim=256).tile.block_n == 64
     # The caller says no (ALiBi, tensors the TMA cannot read), the knob forces sm80, or the device
@@ -206,7 +208,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 
 
 @pytest.mark.parametrize("change", [
-    dict(head_dim=96), dict(head_dim=120), dict(window_size=(16, 0)), dict(softcap=30.0), dict(pack_gqa=True, nheads_k=4),
+    dict(head_dim=96), dict(head_dim=120), dict(pack_gqa=True, nheads_k=4),
     dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True), dict(varlen=True),
     dict(dropout=True), dict(seqlen_k=0),
 ])

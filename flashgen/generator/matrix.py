@@ -20,7 +20,7 @@ BASE_FAMILY = "sm80"
 # Head dims with an sm90 forward instance: whole 64-column TMA panels (fwd_sm90.cuh). A call with
 # another head dim runs the sm80 family.
 SM90_FWD_HEAD_DIMS = (64, 128, 256)
-SM90_FWD_MASKS = ("none", "causal")
+SM90_FWD_MASKS = ("none", "causal", "local")
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
 
 
@@ -64,11 +64,11 @@ def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
         if dropout and (paged or decode):  # dropout is for training (see spec.py)
             continue
         yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
-    for arch, dtype, head_dim, mask in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS
+    for arch, dtype, head_dim, mask, softcap in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags
     ):
         if archs is None or arch in archs:
-            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask)
+            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -84,6 +84,7 @@ def render_instance(spec: KernelSpec) -> str:
             num_threads=tile.num_threads,
             smem_bytes=tile.smem_bytes(spec.head_dim),
             mask_enum=spec.mask.capitalize(),
+            softcap=_cpp_bool(spec.softcap),
         )
     return _env().get_template("fwd_instance.cu.j2").render(
         **common,

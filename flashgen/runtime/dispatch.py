@@ -64,10 +64,9 @@ def instance_head_dim(head_dim: int) -> int:
 def sm90_covers(*, head_dim: int, mask: str, softcap: float, pack_gqa: bool, paged: bool, decode: bool,
                 varlen: bool, dropout: bool) -> bool:
     """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
-    (matrix.SM90_FWD_HEAD_DIMS, exactly), no mask or the causal one, and none of the features it
-    does not have yet (softcap, PackGQA, paged K/V, the decode tile and its split-KV, varlen,
-    dropout)."""
-    return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS and not softcap
+    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, and none of the features it
+    does not have yet (PackGQA, paged K/V, the decode tile and its split-KV, varlen, dropout)."""
+    return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS
             and not (pack_gqa or paged or decode or varlen or dropout))
 
 
@@ -120,7 +119,7 @@ def plan_fwd(
     its capacity; ``num_splits``: 1 none, 0 heuristic, N forced (clamped to the key blocks and
     MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch;
     ``dropout``: the instance with the Philox mask (never paged, never the decode tile);
-    ``sm90``: the caller's inputs allow the sm90 forward (no ALiBi, tensors the TMA can read). On
+    ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
     """
@@ -186,7 +185,7 @@ def plan_fwd(
         dropout=dropout,
     ):
         tile = fwd_tile("sm90", arch, head_dim)
-        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask)
+        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0)
         # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
         # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh).
         row_blocks = -(-seqlen_q // tile.block_m)

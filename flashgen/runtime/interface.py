@@ -269,7 +269,7 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
         softcap=float(softcap), pack_gqa=pack_gqa, device=info,
         num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
         # The TMA checks only where an sm90 instance could run (Hopper), not on every call.
-        sm90=alibi_slopes is None and info.capability[0] == 9 and tma.compatible(q, k, v),
+        sm90=info.capability[0] == 9 and tma.compatible(q, k, v),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)

@@ -165,6 +165,60 @@ __device__ __forceinline__ float tanh_accurate(float x) {
     return 1.f - __fdividef(2.f, e + 1.f);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Score modifiers and masks, shared by the forward families (bottom-right aligned, as
+// dispatch.resolve_mask): query position i sees key j < seqlen_k iff
+// i + diag - window_left <= j <= i + diag + window_right, diag = seqlen_k - seqlen_q (causal: right 0).
+
+// The scores softcap * tanh(s * softmax_scale / softcap) of raw scores s.
+__device__ __forceinline__ float softcap_score(float s, float softcap, float softcap_scale) {
+    return softcap * tanh_accurate(s * softcap_scale);
+}
+
+// ALiBi: the score minus slope * |i + diag - j| (shifted_row = i + diag).
+__device__ __forceinline__ float alibi_score(float s, float slope, int shifted_row, int key) {
+    int const rel = shifted_row - key;
+    return s - slope * float(rel < 0 ? -rel : rel);
+}
+
+// Whether key `key` is hidden from the row at shifted_row = i + diag.
+template <Mask kMask>
+__device__ __forceinline__ bool key_hidden(int key, int shifted_row, int seqlen_k, int window_left, int window_right) {
+    bool hidden = key >= seqlen_k;
+    if constexpr (kMask != Mask::None) hidden |= key > shifted_row + window_right;
+    if constexpr (kMask == Mask::Local) hidden |= key < shifted_row - window_left;
+    return hidden;
+}
+
+// The key blocks (of block_n keys) that query positions m_first..m_last visit, [begin, end), and
+// those that need the element mask besides the last, partial one: blocks >= mask_right_begin
+// cross the right (causal) edge, blocks < mask_left_end the window's left edge.
+struct KeyBlocks {
+    int begin, end, mask_left_end, mask_right_begin;
+};
+template <Mask kMask>
+__device__ __forceinline__ KeyBlocks key_blocks(int m_first, int m_last, int diag, int seqlen_k, int block_n,
+                                                int window_left, int window_right) {
+    KeyBlocks blocks;
+    blocks.begin = 0;
+    blocks.end = (seqlen_k + block_n - 1) / block_n;
+    blocks.mask_left_end = 0;
+    blocks.mask_right_begin = blocks.end;
+    if constexpr (kMask != Mask::None) {
+        int const right_end = m_last + diag + window_right + 1;  // exclusive key bound of the last row
+        blocks.end = min(blocks.end, right_end <= 0 ? 0 : (right_end + block_n - 1) / block_n);
+        int const right_full = m_first + diag + window_right + 1;
+        blocks.mask_right_begin = right_full <= 0 ? 0 : right_full / block_n;
+        if constexpr (kMask == Mask::Local) {
+            int const left_first = m_first + diag - window_left;  // first visible key of the first row
+            blocks.begin = left_first <= 0 ? 0 : left_first / block_n;
+            int const left_last = m_last + diag - window_left;
+            blocks.mask_left_end = left_last <= 0 ? 0 : (left_last + block_n - 1) / block_n;
+        }
+    }
+    return blocks;
+}
+
 template <int kWidth>
 __device__ __forceinline__ float quad_allreduce_max(float x) {
 #pragma unroll

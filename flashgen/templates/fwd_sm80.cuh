@@ -344,24 +344,10 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 
     auto query_pos = [&](int row) { return Tr::kPackGQA ? qhpk.div(row) : row; };
 
-    int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
-    int n_block_min = 0;
-    int n_block_mask_right = n_block_max;  // blocks >= this cross the right (causal) edge
-    int n_block_mask_left = 0;             // blocks < this cross the left (window) edge
-    if constexpr (kMasked) {
-        int const m_first = query_pos(row_start);
-        int const m_last = query_pos(min(row_start + kBlockM, rows_total) - 1);
-        int const right_end = m_last + diag + params.window_right + 1;  // exclusive column bound
-        n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
-        int const right_full = m_first + diag + params.window_right + 1;
-        n_block_mask_right = right_full <= 0 ? 0 : right_full / kBlockN;
-        if constexpr (Tr::kMask == Mask::Local) {
-            int const left_first = m_first + diag - params.window_left;  // first visible column
-            n_block_min = left_first <= 0 ? 0 : left_first / kBlockN;
-            int const left_last = m_last + diag - params.window_left;
-            n_block_mask_left = left_last <= 0 ? 0 : (left_last + kBlockN - 1) / kBlockN;
-        }
-    }
+    KeyBlocks const blocks = key_blocks<Tr::kMask>(query_pos(row_start), query_pos(min(row_start + kBlockM, rows_total) - 1),
+                                                   diag, seqlen_k, kBlockN, params.window_left, params.window_right);
+    int n_block_min = blocks.begin, n_block_max = blocks.end;
+    int const n_block_mask_right = blocks.mask_right_begin, n_block_mask_left = blocks.mask_left_end;
     if (num_splits > 1) {  // this split's share of the key blocks
         int const per_split = ((seqlen_k + kBlockN - 1) / kBlockN + num_splits - 1) / num_splits;
         n_block_min = max(n_block_min, split * per_split);
@@ -498,8 +484,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                 for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[mi][ni][e] =
-                            params.softcap * tanh_accurate(s[mi][ni][e] * params.softcap_scale);
+                        s[mi][ni][e] = softcap_score(s[mi][ni][e], params.softcap, params.softcap_scale);
         }
         if (slopes != nullptr) {
 #pragma unroll
@@ -509,8 +494,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         int const col = col_block + ni * 8 + (e % 2);
-                        int const rel = row_pos[mi][e / 2] + diag - col;
-                        s[mi][ni][e] -= row_slope[mi][e / 2] * float(rel < 0 ? -rel : rel);
+                        s[mi][ni][e] = alibi_score(s[mi][ni][e], row_slope[mi][e / 2], row_pos[mi][e / 2] + diag, col);
                     }
         }
         bool const need_mask = (n_block + 1) * kBlockN > seqlen_k ||
@@ -524,12 +508,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         int const col = col_block + ni * 8 + (e % 2);
-                        int const shifted = row_pos[mi][e / 2] + diag;
-                        bool masked = col >= seqlen_k;
-                        if constexpr (kMasked) masked |= col > shifted + params.window_right;
-                        if constexpr (Tr::kMask == Mask::Local)
-                            masked |= col < shifted - params.window_left;
-                        if (masked) s[mi][ni][e] = -kInfinity;
+                        if (key_hidden<Tr::kMask>(col, row_pos[mi][e / 2] + diag, seqlen_k, params.window_left,
+                                                  params.window_right))
+                            s[mi][ni][e] = -kInfinity;
                     }
         }
 

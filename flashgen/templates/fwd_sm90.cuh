@@ -17,8 +17,9 @@
 // chunks permuted by r % 8, 8-row atoms 1024 bytes apart. Rows past a sequence's end are
 // zero-filled by the TMA (its bounds are the tensor's), so no load is predicated.
 //
-// Not yet here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen,
-// local windows, softcap, ALiBi, dropout, head dims other than 64/128/256; and of
+// Masks (causal, local), softcap and ALiBi come from common.cuh, as in the sm80 family. Not yet
+// here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen, dropout, head
+// dims other than 64/128/256; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers and O
 // stored through shared memory by the TMA.
 #pragma once
@@ -111,7 +112,7 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
            (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
 }
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_>
 struct Sm90FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -120,6 +121,7 @@ struct Sm90FwdTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
     static constexpr Mask kMask = kMask_;
+    static constexpr bool kSoftcap = kSoftcap_;  // scores through softcap * tanh(s / softcap)
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kNThreads = 384;
@@ -142,8 +144,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     using Element = typename Tr::Element;
     using T = typename Tr::T;
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
-    constexpr bool kCausal = Tr::kMask == Mask::Causal;
-    static_assert(Tr::kMask != Mask::Local, "local windows are served by the sm80 family");
+    constexpr Mask kMask = Tr::kMask;
+    constexpr bool kCausal = kMask == Mask::Causal;
     FwdParams const& params = args.p;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -162,10 +164,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     int const warp = tid / 32, lane = tid % 32;
     int const warpgroup = warp / 4;
     int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    int const diag = seqlen_k - seqlen_q;  // query i sees keys j <= i + diag (bottom-right aligned)
+    // Query i sees keys i + diag - window_left .. i + diag + window_right (common.cuh: key_blocks).
+    int const diag = seqlen_k - seqlen_q;
+    int const window_left = params.window_left, window_right = params.window_right;
     // Persistent CTAs on a static schedule: CTA b takes work units b, b + gridDim.x, ... Without
-    // a mask a unit is one tile (batch, head, row block), row blocks fastest, so that the CTAs
-    // working at once share a head's K/V in L2. Under the causal mask the row blocks' costs grow
+    // a mask or under a local one a unit is one tile (batch, head, row block), row blocks fastest,
+    // so that the CTAs working at once share a head's K/V in L2. Under the causal mask the row blocks' costs grow
     // linearly, so a unit is a pair of row blocks m and m_blocks - 1 - m of one head, the costlier
     // first: every unit sees about the same number of key blocks, and the CTAs end together
     // without an atomic tile counter (the middle row block of an odd count is a unit alone).
@@ -173,7 +177,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head)
     int const units = pairs * params.nheads * params.batch;
     struct Tile {
-        int m0, bidh, bidb, n_block_max;
+        int m0, bidh, bidb, n_block_min, n_block_max;
     };
     // Slot i of this CTA: 1 and its tile, 0 for the missing second half of a lone middle row
     // block, -1 once the units have run out.
@@ -188,12 +192,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         tile.bidb = bh / params.nheads;
         tile.bidh = bh - tile.bidb * params.nheads;
         tile.m0 = m_block * kBlockM;
-        int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
-        if constexpr (kCausal) {
-            int const right_end = tile.m0 + kBlockM - 1 + diag + 1;  // exclusive key bound of its last row
-            n_block_max = min(n_block_max, right_end <= 0 ? 0 : (right_end + kBlockN - 1) / kBlockN);
-        }
-        tile.n_block_max = max(n_block_max, 0);
+        KeyBlocks const blocks = key_blocks<kMask>(tile.m0, min(tile.m0 + kBlockM, seqlen_q) - 1, diag, seqlen_k,
+                                                   kBlockN, window_left, window_right);
+        tile.n_block_min = blocks.begin;
+        tile.n_block_max = max(blocks.end, blocks.begin);  // no blocks: rows that see no key
         return 1;
     };
 
@@ -230,7 +232,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 for (int p = 0; p < Tr::kPanels; ++p) {
                     tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, tile.m0, tile.bidh, tile.bidb);
                 }
-                for (int it = 0; it < tile.n_block_max; ++it, ++used) {
+                for (int it = 0; it < tile.n_block_max - tile.n_block_min; ++it, ++used) {
                     int const n_block = tile.n_block_max - 1 - it;
                     int const bidb = tile.bidb;
                     int const stage = used % kStages;
@@ -267,6 +269,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     uint32_t const q_rows = sQ + consumer * 64 * 128;
     // The current tile (the lambdas below read these) and its running state.
     int m0 = 0, row0 = 0, n_block_max = 0;
+    float alibi_slope = 0.f;  // the tile's head's ALiBi slope in score units; 0 without ALiBi
+    const float* alibi_slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     float acc_o[kORegs];
     float row_max[2], row_sum[2];
 
@@ -289,24 +293,36 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], desc_v, 1);
         }
     };
-    // The online softmax of block n_block: masks (keys past seqlen_k, zero-filled by the TMA, and
-    // causal, right of the diagonal), the new row maxima, s -> P in place, row sums; returns in
-    // `correction` the factor for O, which the caller applies once no MMA still adds to O.
+    // The online softmax of block n_block: softcap and ALiBi (common.cuh), masks (keys past
+    // seqlen_k, zero-filled by the TMA, and those outside the causal or local window; only on the
+    // blocks that cross an edge for this warpgroup's 64 rows), the new row maxima, s -> P in place,
+    // row sums; returns in `correction` the factor for O, which the caller applies once no MMA
+    // still adds to O.
     auto softmax = [&](int n_block, float (&s)[kSRegs], float (&correction)[2]) {
         int const key0 = n_block * kBlockN;
+        auto key_of = [&](int i, int e) { return key0 + i * 8 + 2 * (lane % 4) + (e & 1); };
+        auto shifted_row_of = [&](int e) { return row0 + 8 * (e >> 1) + diag; };
+        if constexpr (Tr::kSoftcap) {
+#pragma unroll
+            for (int i = 0; i < kSRegs; ++i) s[i] = softcap_score(s[i], params.softcap, params.softcap_scale);
+        }
+        if (alibi_slopes != nullptr) {
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i * 4 + e] = alibi_score(s[i * 4 + e], alibi_slope, shifted_row_of(e), key_of(i, e));
+        }
+        int const first_row = m0 + consumer * 64, last_row = first_row + 63;
         bool const need_mask = key0 + kBlockN > seqlen_k ||
-                               (kCausal && key0 + kBlockN - 1 > m0 + consumer * 64 + diag);
+                               (kMask != Mask::None && key0 + kBlockN - 1 > first_row + diag + window_right) ||
+                               (kMask == Mask::Local && key0 < last_row + diag - window_left);
         if (need_mask) {
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int const key = key0 + i * 8 + 2 * (lane % 4) + (e & 1);
-                    int const row = row0 + 8 * (e >> 1);
-                    bool masked = key >= seqlen_k;
-                    if constexpr (kCausal) masked |= key > row + diag;
-                    if (masked) s[i * 4 + e] = -kInfinity;
-                }
+                for (int e = 0; e < 4; ++e)
+                    if (key_hidden<kMask>(key_of(i, e), shifted_row_of(e), seqlen_k, window_left, window_right))
+                        s[i * 4 + e] = -kInfinity;
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -357,8 +373,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         m0 = tile.m0;
         row0 = m0 + row_in_block;  // rows row0 and row0 + 8
         n_block_max = tile.n_block_max;
-        int const n_blocks = n_block_max;
+        int const n_blocks = n_block_max - tile.n_block_min;
         int const bidh = tile.bidh, bidb = tile.bidb;
+        if (alibi_slopes != nullptr) alibi_slope = alibi_slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale;
 #pragma unroll
         for (int i = 0; i < kORegs; ++i) acc_o[i] = 0.f;
         row_max[0] = row_max[1] = -kInfinity;

@@ -133,11 +133,15 @@ def test_sanitize_fwd_seqlen_k_zero(mask):
     pytest.param(129, 1, 4, 4, 64, NONE, id="core-sm90-sq129-sk1-d64"),
     pytest.param(1000, 257, 8, 2, 256, CAUSAL, id="sm90-sq1000-sk257-gqa8_2-d256-causal"),
     pytest.param(33, 1023, 4, 1, 128, CAUSAL, id="sm90-sq33-sk1023-mqa-d128-causal"),
+    pytest.param(1023, 300, 4, 2, 128, LOCAL, id="sm90-sq1023-sk300-gqa-d128-local33_7"),
+    pytest.param(300, 1023, 4, 4, 64, dict(LOCAL, softcap=5.0), id="sm90-sq300-sk1023-d64-local-softcap"),
 ])
 def test_sanitize_fwd_sm90(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
-    """Shapes for the sm90 forward's edges (on other GPUs they run the sm80 family)."""
+    """Shapes for the sm90 forward's edges (on other GPUs they run the sm80 family); ALiBi slopes
+    read per tile."""
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
-    check_fwd(q, k, v, pack_gqa=False, **mask)
+    slopes = torch.rand(2, nheads, device=q.device) * 0.3 + 0.01
+    check_fwd(q, k, v, pack_gqa=False, alibi_slopes=slopes, **mask)
 
 
 # ---------------------------------------------------------------------------------------------

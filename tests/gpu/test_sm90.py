@@ -1,7 +1,7 @@
 """GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
 
 The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
-with head dim 64/128/256, no mask or causal, no other feature); here it is held to FlashAttention's
+with head dim 64/128/256 and no PackGQA, paging, split-KV, varlen or dropout); here it is held to FlashAttention's
 rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
 cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
 and compared with the sm80 family forced on the same inputs.
@@ -13,7 +13,9 @@ import torch
 
 import flashgen
 from flashgen.runtime import interface
-from test_fwd import DTYPE_NAMES, _seed, call_poisoned, check_against_ref, make_qkv  # noqa: F401 (_seed: autouse)
+from test_fwd import (  # noqa: F401 (_seed: autouse)
+    DTYPE_NAMES, _seed, assert_feature_matters, call_poisoned, check_against_ref, make_qkv,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,9 +81,52 @@ def test_sm90_serves_strided_and_packed_inputs(monkeypatch, launched):
     check_against_ref(out, lse, q, k, v, causal=True)
 
 
+# (kwargs, mask of the instance): local windows of each shape, softcap, ALiBi, and all three.
+FEATURES = [
+    pytest.param({"window_size": (16, 0)}, "local", id="local-16-0"),
+    pytest.param({"window_size": (33, 7)}, "local", id="local-33-7"),
+    pytest.param({"window_size": (-1, 5)}, "local", id="local-inf-5"),
+    pytest.param({"softcap": 3.0}, "none", id="softcap"),
+    pytest.param({"softcap": 5.0, "causal": True}, "causal", id="softcap-causal"),
+    pytest.param({"alibi": True}, "none", id="alibi"),
+    pytest.param({"alibi": True, "causal": True}, "causal", id="alibi-causal"),
+    pytest.param({"alibi": True, "softcap": 5.0, "window_size": (40, 3)}, "local", id="local-softcap-alibi"),
+]
+
+
+@pytest.mark.parametrize("kwargs, mask", FEATURES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [
+    pytest.param(2, 300, 1023, 4, 2, id="sq300-sk1023-gqa2"), pytest.param(1, 1023, 300, 4, 4, id="sq1023-sk300"),
+])
+def test_sm90_features(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads,
+                       nheads_k):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    kwargs = dict(kwargs)
+    if kwargs.pop("alibi", False):  # a different slope per batch and head
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    # pack_gqa=False: the heuristic would pack the GQA case's heads, which only sm80 does.
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=False, **kwargs)
+    uri = (f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
+           f"{'_softcap' if kwargs.get('softcap') else ''}_sm90a")
+    assert launched == [uri], f"{kwargs} ran {launched}"
+    checked = check_against_ref(out, lse, q, k, v, **kwargs)
+    for feature in ("window_size", "softcap", "alibi_slopes"):  # a kernel that ignored one would fail
+        if feature in kwargs:
+            assert_feature_matters(q, k, v, checked, **{key: val for key, val in kwargs.items() if key != feature})
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=False, **kwargs)
+    assert launched[1].startswith("flash_fwd_sm80_")
+    bound = 2 * checked.rule_k * (checked.out_pt.float() - checked.out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - out80.float()).abs().max().item() <= bound
+    torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("head_dim, kwargs", [
-    pytest.param(96, {}, id="d96"), pytest.param(128, {"window_size": (16, 0)}, id="local"),
-    pytest.param(128, {"softcap": 20.0}, id="softcap"),
+    pytest.param(96, {}, id="d96"), pytest.param(192, {"causal": True}, id="d192"),
 ])
 def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
     q, k, v = make_qkv(1, 128, 128, 4, 4, head_dim, torch.bfloat16)
