@@ -268,3 +268,31 @@ def test_tma_compatible_inputs():
     assert not tma.compatible(torch.empty(2, 64, 4, 136, dtype=torch.bfloat16)[..., 4:])  # misaligned base
     assert not tma.compatible(q.transpose(-1, -2))                              # columns not contiguous
     assert not tma.compatible(q[0])                                             # not 4-D
+
+
+def test_sm90_params_memoize_the_three_maps(monkeypatch):
+    # No GPU here: the encoder is replaced by one that names the tensor and box it was asked for.
+    import torch
+
+    from flashgen.runtime import tma
+
+    calls = []
+
+    def fake_encode(t, box_rows):
+        calls.append((t.data_ptr(), box_rows))
+        return bytes([len(calls)]) * tma.TMA_MAP_BYTES
+
+    monkeypatch.setattr(tma, "_encode", fake_encode)
+    monkeypatch.setattr(tma, "_maps", type(tma._maps)())
+    monkeypatch.setattr(tma, "_triples", type(tma._triples)())
+    q, k, v = (torch.empty(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    fwd = bytes(range(100))
+    blob = tma.sm90_fwd_params(q, k, v, 128, 64, fwd)
+    assert calls == [(q.data_ptr(), 128), (k.data_ptr(), 64), (v.data_ptr(), 64)]
+    assert blob[:384] == bytes([1]) * 128 + bytes([2]) * 128 + bytes([3]) * 128
+    assert blob[384:484] == fwd and len(blob) % 64 == 0 and not any(blob[484:])
+    assert tma.sm90_fwd_params(q, k, v, 128, 64, fwd) == blob and len(calls) == 3  # memoized
+    tma.sm90_fwd_params(q, v, k, 128, 64, fwd)  # K and V swapped: a new triple from the cached maps
+    assert len(calls) == 3
+    tma.sm90_fwd_params(q, k, v[:, :32], 128, 64, fwd)  # another V geometry: one new map
+    assert calls[3:] == [(v.data_ptr(), 64)]

@@ -20,9 +20,13 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Kernels copy 16-byte row chunks: a contiguous last dim, a 16-byte aligned base and strides
     of whole 8-element chunks. Inputs are validated to have a contiguous last dim; dout arrives in
     whatever layout autograd made (expanded from a sum, interleaved from a stack, ...)."""
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]):
-        return t
-    return t.contiguous()
+    strides = t.stride()  # (on every call: one tuple, no generator)
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return t.contiguous()
+    for stride in strides[:-1]:
+        if stride % 8:
+            return t.contiguous()
+    return t
 
 
 _LOG2E = 1.4426950408889634

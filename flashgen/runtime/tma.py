@@ -24,10 +24,16 @@ def compatible(*tensors: torch.Tensor) -> bool:
     """Whether the TMA can read these (batch, rows, heads, d) tensors: a contiguous last dim, a
     16-byte aligned base, strides in 16-byte units (what flashgen's _aligned already ensures for
     its copies), sizes within the 32-bit coordinates."""
+    # On every Hopper forward call: one stride tuple and one shape tuple per tensor, no generators.
     for t in tensors:
-        if t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % 16:
+        strides = t.stride()
+        if len(strides) != 4 or strides[3] != 1 or t.data_ptr() % 16:
             return False
-        if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or max(t.shape) >= 2**31:
+        size = t.element_size()
+        if (strides[0] * size) % 16 or (strides[1] * size) % 16 or (strides[2] * size) % 16:
+            return False
+        b, r, h, d = t.shape
+        if b >= 2**31 or r >= 2**31 or h >= 2**31 or d >= 2**31:
             return False
     return True
 
@@ -82,8 +88,22 @@ def _encode(t: torch.Tensor, box_rows: int) -> bytes:
     return ctypes.string_at(tensor_map.getPtr(), TMA_MAP_BYTES)
 
 
+_triples: collections.OrderedDict = collections.OrderedDict()
+
+
 def sm90_fwd_params(q, k, v, block_m: int, block_n: int, fwd_params: bytes) -> bytes:
     """Sm90FwdParams (fwd_sm90.cuh): the Q, K, V maps, then FwdParams, padded to the struct's
-    64-byte alignment."""
-    blob = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n) + fwd_params
-    return blob + bytes(-len(blob) % 64)
+    64-byte alignment. The three maps are memoized together: one lookup per call."""
+    key = (q.data_ptr(), q.shape, q.stride(), k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride(),
+           q.dtype, block_m, block_n)
+    with _lock:
+        maps = _triples.get(key)
+        if maps is not None:
+            _triples.move_to_end(key)
+    if maps is None:
+        maps = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+        with _lock:
+            _triples[key] = maps
+            if len(_triples) > _MAX_MAPS:
+                _triples.popitem(last=False)
+    return maps + fwd_params + bytes(-(len(maps) + len(fwd_params)) % 64)
