@@ -198,7 +198,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     assert plan(sm90=True, head_dim=256).tile.block_n == 64
-    # The caller says no (ALiBi, tensors the TMA cannot read), the knob forces sm80, or the device
+    # The caller says no (tensors the TMA cannot read), the knob forces sm80, or the device
     # is not Hopper: the sm80 family.
     assert plan().spec.family == "sm80"
     assert plan(sm90=True, family="sm80").spec.family == "sm80"

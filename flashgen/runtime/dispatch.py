@@ -31,7 +31,7 @@ class DeviceInfo:
 class FwdPlan:
     spec: KernelSpec
     tile: FwdTile
-    grid: tuple[int, int, int]   # (row blocks, heads, batch * num_splits)
+    grid: tuple[int, int, int]   # (row blocks, heads, batch * num_splits); sm90: (persistent CTAs, 1, 1)
     num_splits: int
     window_left: int   # as the kernel sees it: >= 0 (no -1; "infinite" is clamped)
     window_right: int
@@ -61,8 +61,8 @@ def instance_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def sm90_covers(*, head_dim: int, mask: str, softcap: float, pack_gqa: bool, paged: bool, decode: bool,
-                varlen: bool, dropout: bool) -> bool:
+def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, paged: bool, decode: bool, varlen: bool,
+                dropout: bool) -> bool:
     """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
     (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, and none of the features it
     does not have yet (PackGQA, paged K/V, the decode tile and its split-KV, varlen, dropout)."""
@@ -181,7 +181,7 @@ def plan_fwd(
         )
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and num_splits == 1 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, softcap=softcap, pack_gqa=pack, paged=paged, decode=decode, varlen=varlen,
+        head_dim=head_dim, mask=mask, pack_gqa=pack, paged=paged, decode=decode, varlen=varlen,
         dropout=dropout,
     ):
         tile = fwd_tile("sm90", arch, head_dim)

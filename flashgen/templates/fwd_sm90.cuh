@@ -5,9 +5,10 @@
 // (batch, head) on a static, cost-balanced schedule (below), and is three warpgroups:
 //   warpgroup 0, the producer: one thread issues TMA loads of each tile's Q and of the K and V
 //     blocks into a ring of kStages stages, each completing on its own mbarrier ("full"); it
-//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring runs
-//     on across tiles, so the next tile's loads overlap this tile's last blocks and epilogue. It
-//     gives its registers away (setmaxnreg) to
+//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring's
+//     position carries across tiles; a tile's Q (and after it its K/V) is loaded once the
+//     consumers are done with the previous tile's Q, so those loads overlap only the previous
+//     tile's epilogue. It gives its registers away (setmaxnreg) to
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
@@ -215,8 +216,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 
     if (warpgroup == 0) {
         // ---- Producer. Key blocks go from the last to the first (the causal diagonal first). The
-        // K/V ring runs on across tiles (block `used` counts every block this CTA loaded), so the
-        // next tile's Q and first blocks load during this tile's last blocks and its epilogue.
+        // K/V ring runs on across tiles (block `used` counts every block this CTA loaded); the next
+        // tile's Q and first blocks load during this tile's epilogue.
         setmaxnreg_dec<24>();
         if (warp == 0 && lane == 0) {
             int used = 0, tile_count = 0;
@@ -463,7 +464,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             mbar_arrive(empty_v(last));
         }
 
-        // Every Q·Kᵀ of the tile is done: the producer may load the next tile's Q.
+        // Every MMA of the tile is done: the producer may load the next tile's Q. (Arriving right
+        // after the last Q·Kᵀ, and loading the next tile's first K/V before its Q, would let the
+        // ring run ahead across the boundary: not yet measured.)
         mbar_arrive(bar_q_empty);
         used += n_blocks;
 
