@@ -12,7 +12,9 @@
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
-//     P·V runs on the tensor cores during block j + 1's softmax.
+//     P·V is issued with block j + 1's Q·Kᵀ so that it can run during block j + 1's softmax.
+//     (As compiled by NVRTC 13.0, ptxas puts the wait for that P·V ahead of the softmax's
+//     exponentials, in SASS: only the masking overlaps it so far.)
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B; the wgmma
 // descriptors' 128-byte swizzle mode): row r of a panel is 128 bytes at r * 128, its 16-byte
 // chunks permuted by r % 8, 8-row atoms 1024 bytes apart. Rows past a sequence's end are
