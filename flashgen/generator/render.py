@@ -56,49 +56,31 @@ def render_instance(spec: KernelSpec) -> str:
         )
     if spec.direction == "bwd":
         tile = bwd_tile(spec.family, spec.arch, spec.head_dim)
-        return _env().get_template("bwd_instance.cu.j2").render(
-            **common,
-            element_type=_ELEMENT_TYPES[spec.dtype],
-            head_dim=spec.head_dim,
-            num_warps=tile.num_warps,
-            num_threads=tile.num_threads,
-            block_n=tile.block_n,
-            block_m=tile.block_m,
-            d_slices=tile.d_slices,
-            smem_bytes=tile.smem_bytes(spec.head_dim),
-            stages=tile.stages,
-            mask_enum=spec.mask.capitalize(),
-            softcap=_cpp_bool(spec.softcap),
-            dropout=_cpp_bool(spec.dropout),
-        )
-    tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
-    if spec.family == "sm90":
-        return _env().get_template("fwd_sm90_instance.cu.j2").render(
-            **common,
-            element_type=_ELEMENT_TYPES[spec.dtype],
-            head_dim=spec.head_dim,
-            block_m=tile.block_m,
-            block_n=tile.block_n,
-            stages=tile.stages,
-            overlap=_cpp_bool(tile.overlap),
-            num_threads=tile.num_threads,
-            smem_bytes=tile.smem_bytes(spec.head_dim),
-            mask_enum=spec.mask.capitalize(),
-            softcap=_cpp_bool(spec.softcap),
-        )
-    return _env().get_template("fwd_instance.cu.j2").render(
-        **common,
+    else:
+        tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
+    # What every attention instance (forward of either family, backward) takes from its spec and tile.
+    attention = dict(
+        common,
         element_type=_ELEMENT_TYPES[spec.dtype],
         head_dim=spec.head_dim,
         block_m=tile.block_m,
         block_n=tile.block_n,
-        num_warps=tile.num_warps,
-        smem_bytes=tile.smem_bytes(spec.head_dim),
-        num_threads=tile.num_threads,
         stages=tile.stages,
-        warps_n=tile.warps_n,
+        num_threads=tile.num_threads,
+        smem_bytes=tile.smem_bytes(spec.head_dim),
         mask_enum=spec.mask.capitalize(),
         softcap=_cpp_bool(spec.softcap),
+    )
+    if spec.direction == "bwd":
+        return _env().get_template("bwd_instance.cu.j2").render(
+            **attention, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),
+        )
+    if spec.family == "sm90":
+        return _env().get_template("fwd_sm90_instance.cu.j2").render(**attention, overlap=_cpp_bool(tile.overlap))
+    return _env().get_template("fwd_instance.cu.j2").render(
+        **attention,
+        num_warps=tile.num_warps,
+        warps_n=tile.warps_n,
         pack_gqa=_cpp_bool(spec.pack_gqa),
         paged=_cpp_bool(spec.paged),
         dropout=_cpp_bool(spec.dropout),
