@@ -5,10 +5,10 @@
 // (batch, head) on a static, cost-balanced schedule (below), and is three warpgroups:
 //   warpgroup 0, the producer: one thread issues TMA loads of each tile's Q and of the K and V
 //     blocks into a ring of kStages stages, each completing on its own mbarrier ("full"); it
-//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring's
-//     position carries across tiles; a tile's Q (and after it its K/V) is loaded once the
-//     consumers are done with the previous tile's Q, so those loads overlap only the previous
-//     tile's epilogue. It gives its registers away (setmaxnreg) to
+//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring runs
+//     on across tiles: a tile's first K/V block is loaded before its Q, and its Q as soon as the
+//     consumers have finished the previous tile's last Q·Kᵀ, so the next tile's loads overlap
+//     this tile's last P·V and epilogue. It gives its registers away (setmaxnreg) to
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
@@ -218,8 +218,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 
     if (warpgroup == 0) {
         // ---- Producer. Key blocks go from the last to the first (the causal diagonal first). The
-        // K/V ring runs on across tiles (block `used` counts every block this CTA loaded); the next
-        // tile's Q and first blocks load during this tile's epilogue.
+        // K/V ring runs on across tiles (block `used` counts every block this CTA loaded).
         setmaxnreg_dec<24>();
         if (warp == 0 && lane == 0) {
             int used = 0, tile_count = 0;
@@ -229,15 +228,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 if (found < 0) break;
                 if (found == 0) continue;
                 int const bidh_kv = params.qhead_per_khead.div(tile.bidh);
-                if (tile_count > 0) mbar_wait(bar_q_empty, (tile_count - 1) & 1);  // the last tile's Q is free
-                mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-                for (int p = 0; p < Tr::kPanels; ++p) {
-                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, tile.m0, tile.bidh, tile.bidb);
-                }
-                for (int it = 0; it < tile.n_block_max - tile.n_block_min; ++it, ++used) {
+                int const n_blocks = tile.n_block_max - tile.n_block_min;
+                // Block `it` of the tile into the ring's next stage, once both consumers have
+                // released that stage's previous block.
+                auto load_kv = [&](int it) {
                     int const n_block = tile.n_block_max - 1 - it;
-                    int const bidb = tile.bidb;
                     int const stage = used % kStages;
                     uint32_t const parity = ((used / kStages) & 1) ^ 1;  // the previous use's phase
                     if (used >= kStages) mbar_wait(empty_k(stage), parity);
@@ -245,16 +240,27 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
-                                    n_block * kBlockN, bidh_kv, bidb);
+                                    n_block * kBlockN, bidh_kv, tile.bidb);
                     }
                     if (used >= kStages) mbar_wait(empty_v(stage), parity);
                     mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
-                                    n_block * kBlockN, bidh_kv, bidb);
+                                    n_block * kBlockN, bidh_kv, tile.bidb);
                     }
+                    ++used;
+                };
+                // The tile's first K/V block goes out before its Q, which waits until the consumers
+                // have finished the previous tile's last Q·Kᵀ: the ring runs ahead across tiles.
+                if (n_blocks > 0) load_kv(0);
+                if (tile_count > 0) mbar_wait(bar_q_empty, (tile_count - 1) & 1);  // the last tile's Q is free
+                mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+#pragma unroll
+                for (int p = 0; p < Tr::kPanels; ++p) {
+                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, tile.m0, tile.bidh, tile.bidb);
                 }
+                for (int it = 1; it < n_blocks; ++it) load_kv(it);
                 ++tile_count;
             }
         }
@@ -392,6 +398,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         // to O (FlashAttention-3's intra-warpgroup overlap); O is rescaled once that MMA has finished.
         // Otherwise each block's two MMAs and its softmax follow one another.
         mbar_wait(bar_q, tile_count & 1);
+        if (n_blocks == 0) mbar_arrive(bar_q_empty);  // rows that see no key: Q is not read
         uint32_t p[kBlockN / 16][4];
         if constexpr (!Tr::kOverlap) {
             for (int it = 0; it < n_blocks; ++it) {
@@ -406,6 +413,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 wgmma_wait<0>();
                 fence_registers(s);
                 mbar_arrive(empty_k(stage));
+                if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
                 softmax(n_block_max - 1 - it, s, correction);
                 rescale_o(correction);
                 pack_p(s, p);
@@ -429,6 +437,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             wgmma_wait<0>();
             fence_registers(s);
             mbar_arrive(empty_k(stage_of(0)));
+            if (n_blocks == 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
             softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
             pack_p(s, p);
         }
@@ -447,6 +456,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
             fence_registers(s);
             mbar_arrive(empty_k(stage));
+            if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
             softmax(n_block_max - 1 - it, s, correction);
             wgmma_wait<0>();
             fence_registers(acc_o);
@@ -466,10 +476,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             mbar_arrive(empty_v(last));
         }
 
-        // Every MMA of the tile is done: the producer may load the next tile's Q. (Arriving right
-        // after the last Q·Kᵀ, and loading the next tile's first K/V before its Q, would let the
-        // ring run ahead across the boundary: not yet measured.)
-        mbar_arrive(bar_q_empty);
         used += n_blocks;
 
         // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
