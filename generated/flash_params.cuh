@@ -42,6 +42,7 @@ struct FwdParams {
     long long philox_offset;  // dropout: RNG offset of this call
     int batch;
     int seqlen_q;  // query rows per sequence, or for varlen the rows of q (total_q)
+    int max_seqlen_q;  // query rows of the longest sequence (seqlen_q unless varlen): sm90's row blocks per head
     int seqlen_k;  // keys, or with seqused_k / varlen the capacity of a K/V row (reads never pass it)
     int seqlen_k_new;  // keys appended by this call: a batch element uses seqused_k[b] + this
     int kv_batch;  // K/V batch rows (or pages when paged): indices outside are treated as empty
@@ -61,7 +62,7 @@ struct FwdParams {
     unsigned int dropout_threshold;  // keep a probability iff its random byte < this; 256: no dropout
     float rp_dropout;  // scale of kept probabilities: 256 / dropout_threshold
 };
-static_assert(sizeof(FwdParams) == 368, "Params size drift");
+static_assert(sizeof(FwdParams) == 376, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(FwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(FwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -99,24 +100,25 @@ static_assert(__builtin_offsetof(FwdParams, philox_seed) == 256, "Params layout 
 static_assert(__builtin_offsetof(FwdParams, philox_offset) == 264, "Params layout drift: philox_offset");
 static_assert(__builtin_offsetof(FwdParams, batch) == 272, "Params layout drift: batch");
 static_assert(__builtin_offsetof(FwdParams, seqlen_q) == 276, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 280, "Params layout drift: seqlen_k");
-static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 284, "Params layout drift: seqlen_k_new");
-static_assert(__builtin_offsetof(FwdParams, kv_batch) == 288, "Params layout drift: kv_batch");
-static_assert(__builtin_offsetof(FwdParams, num_splits) == 292, "Params layout drift: num_splits");
-static_assert(__builtin_offsetof(FwdParams, nheads) == 296, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(FwdParams, nheads_k) == 300, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(FwdParams, head_dim) == 304, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(FwdParams, window_left) == 308, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(FwdParams, window_right) == 312, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 316, "Params layout drift: qhead_per_khead");
-static_assert(__builtin_offsetof(FwdParams, page_size) == 328, "Params layout drift: page_size");
-static_assert(__builtin_offsetof(FwdParams, scale_log2) == 340, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 344, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 348, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap) == 352, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 356, "Params layout drift: alibi_scale");
-static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 360, "Params layout drift: dropout_threshold");
-static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 364, "Params layout drift: rp_dropout");
+static_assert(__builtin_offsetof(FwdParams, max_seqlen_q) == 280, "Params layout drift: max_seqlen_q");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 284, "Params layout drift: seqlen_k");
+static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 288, "Params layout drift: seqlen_k_new");
+static_assert(__builtin_offsetof(FwdParams, kv_batch) == 292, "Params layout drift: kv_batch");
+static_assert(__builtin_offsetof(FwdParams, num_splits) == 296, "Params layout drift: num_splits");
+static_assert(__builtin_offsetof(FwdParams, nheads) == 300, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(FwdParams, nheads_k) == 304, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(FwdParams, head_dim) == 308, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(FwdParams, window_left) == 312, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(FwdParams, window_right) == 316, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 320, "Params layout drift: qhead_per_khead");
+static_assert(__builtin_offsetof(FwdParams, page_size) == 332, "Params layout drift: page_size");
+static_assert(__builtin_offsetof(FwdParams, scale_log2) == 344, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 348, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 352, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 356, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 360, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 364, "Params layout drift: dropout_threshold");
+static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 368, "Params layout drift: rp_dropout");
 #endif
 
 struct CombineParams {

@@ -195,6 +195,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(sm90=True, batch=1, seqlen_q=512, seqlen_k=512, causal=True).grid == (2 * 16, 1, 1)
     assert plan(sm90=True, causal=True).spec.mask == "causal"
     assert plan(sm90=True, window_size=(16, 0)).spec.mask == "local"
+    assert plan(sm90=True, varlen=True).spec.family == "sm90"
     assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     assert plan(sm90=True, head_dim=256).tile.block_n == 64
@@ -209,7 +210,8 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 
 @pytest.mark.parametrize("change", [
     dict(head_dim=96), dict(head_dim=120), dict(pack_gqa=True, nheads_k=4),
-    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True), dict(varlen=True),
+    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True),
+    dict(paged=True, varlen=True),
     dict(dropout=True), dict(seqlen_k=0),
 ])
 def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
@@ -267,7 +269,8 @@ def test_tma_compatible_inputs():
     assert not tma.compatible(torch.empty(2, 64, 4, 130, dtype=torch.bfloat16)[..., :128])  # 260-byte steps
     assert not tma.compatible(torch.empty(2, 64, 4, 136, dtype=torch.bfloat16)[..., 4:])  # misaligned base
     assert not tma.compatible(q.transpose(-1, -2))                              # columns not contiguous
-    assert not tma.compatible(q[0])                                             # not 4-D
+    assert tma.compatible(q[0])                                                 # varlen (total, heads, d)
+    assert not tma.compatible(q[0, 0]) and not tma.compatible(q[:, :0])         # not 3-/4-D; no rows
 
 
 def test_sm90_params_memoize_the_three_maps(monkeypatch):

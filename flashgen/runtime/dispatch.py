@@ -64,10 +64,10 @@ def instance_head_dim(head_dim: int) -> int:
 def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, paged: bool, decode: bool, varlen: bool,
                 dropout: bool) -> bool:
     """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
-    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, and none of the features it
-    does not have yet (PackGQA, paged K/V, the decode tile and its split-KV, varlen, dropout)."""
+    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, dense or varlen, and none of the
+    features it does not have yet (PackGQA, paged K/V, the decode tile and its split-KV, dropout)."""
     return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS
-            and not (pack_gqa or paged or decode or varlen or dropout))
+            and not (pack_gqa or paged or decode or dropout))
 
 
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):

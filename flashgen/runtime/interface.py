@@ -185,13 +185,13 @@ def run_fwd(
     plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
     seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
     page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-    dropout=None,
+    dropout=None, max_seqlen_q=None,
 ) -> None:
     """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
 
     Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
     q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
-    capacity) that reads never pass."""
+    capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     if cu_seqlens_q is not None:
@@ -225,6 +225,7 @@ def run_fwd(
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[2], partial_rows=partial_rows,
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_k_new=seqlen_k_new,
+        max_seqlen_q=seqlen_q if max_seqlen_q is None else max_seqlen_q,
         kv_batch=kv_batch if kv_batch is not None else (batch if cu_seqlens_k is not None else k.shape[0]),
         num_splits=splits, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         window_left=plan.window_left, window_right=plan.window_right,
@@ -429,11 +430,14 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         out.zero_()
         return out, lse, NO_DROPOUT
     index = device_index(q)
+    info = device_info(index)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     plan: FwdPlan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
-        softcap=float(softcap), pack_gqa=pack_gqa, device=device_info(index), paged=paged,
+        softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged,
         num_splits=num_splits, family=config.forced_family(), varlen=True, dropout=dropout_p > 0,
+        sm90=not paged and info.capability[0] == 9 and tma.compatible(q, k, v),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
@@ -441,10 +445,11 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         # Rows past seqused_q belong to no sequence: the kernel does not write them.
         out.zero_()
         lse.fill_(-float("inf"))
-    run_fwd(plan, q=_aligned(q), k=_aligned(k), v=_aligned(v), out=out, lse=lse,
+    run_fwd(plan, q=q, k=k, v=v, out=out, lse=lse,
             softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=capacity,
             seqused_k=seqused_k, block_table=block_table, page_size=page_size, kv_batch=kv_batch,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, dropout=dropout)
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, dropout=dropout,
+            max_seqlen_q=max_seqlen_q)
     return out, lse, dropout
 
 

@@ -69,6 +69,7 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("philox_offset", "i64", "dropout: RNG offset of this call"),
     Field("batch", "i32", ""),
     Field("seqlen_q", "i32", "query rows per sequence, or for varlen the rows of q (total_q)"),
+    Field("max_seqlen_q", "i32", "query rows of the longest sequence (seqlen_q unless varlen): sm90's row blocks per head"),
     Field("seqlen_k", "i32", "keys, or with seqused_k / varlen the capacity of a K/V row (reads never pass it)"),
     Field("seqlen_k_new", "i32", "keys appended by this call: a batch element uses seqused_k[b] + this"),
     Field("kv_batch", "i32", "K/V batch rows (or pages when paged): indices outside are treated as empty"),

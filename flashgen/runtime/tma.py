@@ -1,5 +1,5 @@
 """TMA tensor maps for the sm90 forward (fwd_sm90.cuh): Q, K and V as 4-D tensors (head-dim
-columns, rows, heads, batch) read in boxes of 64 columns (one 128-byte swizzled panel) by a tile's
+columns, rows, heads, batch; a varlen (total, heads, d) tensor is a batch of one) read in boxes of 64 columns (one 128-byte swizzled panel) by a tile's
 rows. Encoded with cuTensorMapEncodeTiled and memoized by (address, shape, strides, dtype, box):
 a call on tensors seen before costs a dictionary lookup.
 """
@@ -21,20 +21,21 @@ _lock = threading.Lock()
 
 
 def compatible(*tensors: torch.Tensor) -> bool:
-    """Whether the TMA can read these (batch, rows, heads, d) tensors: a contiguous last dim, a
-    16-byte aligned base, strides in 16-byte units (what flashgen's _aligned already ensures for
-    its copies), sizes within the 32-bit coordinates."""
+    """Whether the TMA can read these (batch, rows, heads, d) or varlen (total, heads, d) tensors:
+    rows to map, a contiguous last dim, a 16-byte aligned base, strides in 16-byte units (what
+    flashgen's _aligned already ensures for its copies), sizes within the 32-bit coordinates."""
     # On every Hopper forward call: one stride tuple and one shape tuple per tensor, no generators.
     for t in tensors:
-        strides = t.stride()
-        if len(strides) != 4 or strides[3] != 1 or t.data_ptr() % 16:
+        strides, shape = t.stride(), t.shape
+        if len(strides) not in (3, 4) or strides[-1] != 1 or t.data_ptr() % 16:
             return False
         size = t.element_size()
-        if (strides[0] * size) % 16 or (strides[1] * size) % 16 or (strides[2] * size) % 16:
-            return False
-        b, r, h, d = t.shape
-        if b >= 2**31 or r >= 2**31 or h >= 2**31 or d >= 2**31:
-            return False
+        for stride in strides[:-1]:
+            if (stride * size) % 16:
+                return False
+        for n in shape:
+            if n == 0 or n >= 2**31:
+                return False
     return True
 
 
@@ -101,7 +102,8 @@ def sm90_fwd_params(q, k, v, block_m: int, block_n: int, fwd_params: bytes) -> b
         if maps is not None:
             _triples.move_to_end(key)
     if maps is None:
-        maps = tensor_map(q, block_m) + tensor_map(k, block_n) + tensor_map(v, block_n)
+        q4, k4, v4 = (t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v))  # varlen: a batch of one
+        maps = tensor_map(q4, block_m) + tensor_map(k4, block_n) + tensor_map(v4, block_n)
         with _lock:
             _triples[key] = maps
             if len(_triples) > _MAX_MAPS:

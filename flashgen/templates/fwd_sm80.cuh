@@ -14,6 +14,7 @@
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
+#include "seq_extent.cuh"
 
 namespace flashgen {
 
@@ -300,41 +301,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     int const bidh_kv = Tr::kPackGQA ? bidh : qhpk.div(bidh);
     int const head_dim = params.head_dim;
 
-    // Keys of this batch element: [leftpad, used) of its K/V row, never past the row's capacity,
-    // and an out-of-range K/V batch index reads nothing. Values come from the caller's tensors, so
-    // they are clamped here rather than trusted.
-    const int* seqused = reinterpret_cast<const int*>(params.seqused_k_ptr);
-    const int* leftpad_ptr = reinterpret_cast<const int*>(params.leftpad_k_ptr);
-    const int* kv_batch_idx = reinterpret_cast<const int*>(params.kv_batch_idx_ptr);
     const int* block_table = reinterpret_cast<const int*>(params.block_table_ptr);
     const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
-    const int* cu_seqlens_k = reinterpret_cast<const int*>(params.cu_seqlens_k_ptr);
-    const int* seqused_q = reinterpret_cast<const int*>(params.seqused_q_ptr);
-    // Varlen queries: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q, o and lse.
-    int q_offset = 0;
-    int seqlen_q = params.seqlen_q;
-    if (cu_seqlens_q != nullptr) {
-        q_offset = min(max(cu_seqlens_q[bidb], 0), params.seqlen_q);
-        seqlen_q = min(max(cu_seqlens_q[bidb + 1] - q_offset, 0), params.seqlen_q - q_offset);
-    }
-    if (seqused_q != nullptr) seqlen_q = min(max(seqused_q[bidb], 0), seqlen_q);
-    // Varlen keys are rows [start, start + length) of the one K/V row, i.e. a left pad of start;
-    // paged, they start at the sequence's first page.
-    int leftpad, used;
-    if (cu_seqlens_k != nullptr) {
-        int const start = cu_seqlens_k[bidb];
-        // seqused_k never reaches past the sequence (as in the backward).
-        int length = cu_seqlens_k[bidb + 1] - start;
-        if (seqused != nullptr) length = min(seqused[bidb], length);
-        leftpad = Tr::kPaged ? 0 : min(max(start, 0), params.seqlen_k);
-        used = leftpad + min(max(length, 0), params.seqlen_k - leftpad);
-    } else {
-        leftpad = leftpad_ptr != nullptr ? max(leftpad_ptr[bidb], 0) : 0;
-        used = seqused != nullptr ? seqused[bidb] + params.seqlen_k_new : params.seqlen_k;
-    }
-    int const kv_b = kv_batch_idx != nullptr ? kv_batch_idx[bidb] : bidb;
-    bool const kv_b_valid = Tr::kPaged || (kv_b >= 0 && kv_b < params.kv_batch);
-    int const seqlen_k = kv_b_valid ? max(min(used, params.seqlen_k) - leftpad, 0) : 0;
+    SeqExtent const extent = seq_extent<Tr::kPaged>(params, bidb);
+    int const q_offset = extent.q_offset, seqlen_q = extent.seqlen_q;
+    int const leftpad = extent.k_offset, seqlen_k = extent.seqlen_k, kv_b = extent.kv_b;
     // Packed rows: row r is query position r / qhpk of head bidh * qhpk + r % qhpk.
     int const rows_total = Tr::kPackGQA ? seqlen_q * qhpk.divisor : seqlen_q;
     int const row_start = m_block * kBlockM;

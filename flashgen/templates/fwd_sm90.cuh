@@ -17,17 +17,20 @@
 //     exponentials, in SASS: only the masking overlaps it so far.)
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B; the wgmma
 // descriptors' 128-byte swizzle mode): row r of a panel is 128 bytes at r * 128, its 16-byte
-// chunks permuted by r % 8, 8-row atoms 1024 bytes apart. Rows past a sequence's end are
-// zero-filled by the TMA (its bounds are the tensor's), so no load is predicated.
+// chunks permuted by r % 8, 8-row atoms 1024 bytes apart. No load is predicated: rows past a
+// tensor's end are zero-filled by the TMA; rows past a sequence's end inside it (varlen) are the
+// next sequence's: its queries are never stored, its keys are masked, and its V rows are zeroed
+// in shared memory (clear_v_tail) so that P = 0 times them stays 0.
 //
-// Masks (causal, local), softcap and ALiBi come from common.cuh, as in the sm80 family. Not yet
-// here (the sm80 family serves those calls): PackGQA, paged K/V, split-KV, varlen, dropout, head
-// dims other than 64/128/256; and of
+// Masks (causal, local), softcap and ALiBi come from common.cuh and the sequences' rows (varlen,
+// seqused) from seq_extent.cuh, as in the sm80 family. Not yet here (the sm80 family serves those
+// calls): PackGQA, paged K/V, split-KV, dropout, head dims other than 64/128/256; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers and O
 // stored through shared memory by the TMA.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
+#include "seq_extent.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
 
 namespace flashgen {
@@ -87,6 +90,11 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all wait here.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- wgmma: fence before an MMA batch that reads registers written since, commit a batch,
@@ -166,24 +174,26 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     int const tid = threadIdx.x;
     int const warp = tid / 32, lane = tid % 32;
     int const warpgroup = warp / 4;
-    int const seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    // Query i sees keys i + diag - window_left .. i + diag + window_right (common.cuh: key_blocks).
-    int const diag = seqlen_k - seqlen_q;
+    // Query i of a sequence sees keys i + diag - window_left .. i + diag + window_right, diag =
+    // seqlen_k - seqlen_q of that sequence (common.cuh: key_blocks).
     int const window_left = params.window_left, window_right = params.window_right;
+    // Varlen: sequences are rows of one (total, heads, d) tensor, mapped as a batch of one.
+    bool const varlen_q = params.cu_seqlens_q_ptr != nullptr, varlen_k = params.cu_seqlens_k_ptr != nullptr;
     // Persistent CTAs on a static schedule: CTA b takes work units b, b + gridDim.x, ... Without
     // a mask or under a local one a unit is one tile (batch, head, row block), row blocks fastest,
     // so that the CTAs working at once share a head's K/V in L2. Under the causal mask the row blocks' costs grow
     // linearly, so a unit is a pair of row blocks m and m_blocks - 1 - m of one head, the costlier
     // first: every unit sees about the same number of key blocks, and the CTAs end together
     // without an atomic tile counter (the middle row block of an odd count is a unit alone).
-    int const m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    int const m_blocks = (params.max_seqlen_q + kBlockM - 1) / kBlockM;
     int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head)
     int const units = pairs * params.nheads * params.batch;
     struct Tile {
         int m0, bidh, bidb, n_block_min, n_block_max;
+        SeqExtent seq;  // the sequence's rows (seq_extent.cuh)
     };
     // Slot i of this CTA: 1 and its tile, 0 for the missing second half of a lone middle row
-    // block, -1 once the units have run out.
+    // block or a row block past a shorter sequence's end (varlen), -1 once the units have run out.
     auto tile_of_slot = [&](int slot, Tile& tile) {
         int const half = kCausal ? slot & 1 : 0;
         int const unit = (kCausal ? slot >> 1 : slot) * int(gridDim.x) + int(blockIdx.x);
@@ -195,8 +205,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         tile.bidb = bh / params.nheads;
         tile.bidh = bh - tile.bidb * params.nheads;
         tile.m0 = m_block * kBlockM;
-        KeyBlocks const blocks = key_blocks<kMask>(tile.m0, min(tile.m0 + kBlockM, seqlen_q) - 1, diag, seqlen_k,
-                                                   kBlockN, window_left, window_right);
+        tile.seq = seq_extent</*kPaged=*/false>(params, tile.bidb);
+        if (tile.m0 >= tile.seq.seqlen_q) return 0;
+        KeyBlocks const blocks =
+            key_blocks<kMask>(tile.m0, min(tile.m0 + kBlockM, tile.seq.seqlen_q) - 1, tile.seq.seqlen_k - tile.seq.seqlen_q,
+                              tile.seq.seqlen_k, kBlockN, window_left, window_right);
         tile.n_block_min = blocks.begin;
         tile.n_block_max = max(blocks.end, blocks.begin);  // no blocks: rows that see no key
         return 1;
@@ -228,6 +241,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 if (found < 0) break;
                 if (found == 0) continue;
                 int const bidh_kv = params.qhead_per_khead.div(tile.bidh);
+                // Map coordinates: rows from the sequence's first, batch 0 for a varlen tensor. Rows
+                // past a sequence's end are the next one's (or the TMA's zero fill past the
+                // tensor): its queries are not stored, its keys masked (softmax), their V rows
+                // zeroed (clear_v_tail).
+                int const q_row0 = tile.seq.q_offset + tile.m0, q_batch = varlen_q ? 0 : tile.bidb;
+                int const k_row0 = tile.seq.k_offset, k_batch = varlen_k ? 0 : tile.seq.kv_b;
                 int const n_blocks = tile.n_block_max - tile.n_block_min;
                 // Block `it` of the tile into the ring's next stage, once both consumers have
                 // released that stage's previous block.
@@ -240,14 +259,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
-                                    n_block * kBlockN, bidh_kv, tile.bidb);
+                                    k_row0 + n_block * kBlockN, bidh_kv, k_batch);
                     }
                     if (used >= kStages) mbar_wait(empty_v(stage), parity);
                     mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
-                                    n_block * kBlockN, bidh_kv, tile.bidb);
+                                    k_row0 + n_block * kBlockN, bidh_kv, k_batch);
                     }
                     ++used;
                 };
@@ -258,7 +277,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
                 for (int p = 0; p < Tr::kPanels; ++p) {
-                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, tile.m0, tile.bidh, tile.bidb);
+                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, q_row0, tile.bidh, q_batch);
                 }
                 for (int it = 1; it < n_blocks; ++it) load_kv(it);
                 ++tile_count;
@@ -278,6 +297,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     uint32_t const q_rows = sQ + consumer * 64 * 128;
     // The current tile (the lambdas below read these) and its running state.
     int m0 = 0, row0 = 0, n_block_max = 0;
+    int seqlen_q = 0, seqlen_k = 0, diag = 0;  // the tile's sequence
     float alibi_slope = 0.f;  // the tile's head's ALiBi slope in score units; 0 without ALiBi
     const float* alibi_slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     float acc_o[kORegs];
@@ -303,7 +323,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         }
     };
     // The online softmax of block n_block: softcap and ALiBi (common.cuh), masks (keys past
-    // seqlen_k, zero-filled by the TMA, and those outside the causal or local window; only on the
+    // seqlen_k, whatever the TMA read there, and those outside the causal or local window; only on the
     // blocks that cross an edge for this warpgroup's 64 rows), the new row maxima, s -> P in place,
     // row sums; returns in `correction` the factor for O, which the caller applies once no MMA
     // still adds to O.
@@ -356,6 +376,27 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             row_sum[half] = row_sum[half] * correction[half] + sum;
         }
     };
+    // The rows of a tile's first key block past the sequence's keys: the next sequence's under
+    // varlen, or rows a shorter seqused_k leaves unused (the TMA stops only at the tensor's end).
+    // P is 0 there, but 0 times an inf or NaN value is NaN, so those V rows are zeroed in shared
+    // memory before the P·V that reads them (both consumers at once, then a barrier; the fence
+    // orders the stores before the wgmma's reads). Dense rows past the tensor are zero already:
+    // clearing them again costs one pass over a block, once per tile.
+    auto clear_v_tail = [&](int it, int stage) {
+        if (it != 0 || n_block_max * kBlockN <= seqlen_k) return;
+        int const valid = seqlen_k - (n_block_max - 1) * kBlockN;  // keys of the block, 1 .. kBlockN - 1
+        constexpr int kChunks = Tr::kPanels * kBlockN * 8;           // 16-byte chunks of one V block
+        int const consumer_tid = tid - (Tr::kNThreads - Tr::kConsumerThreads);  // after the producer warpgroup
+        for (int c = consumer_tid; c < kChunks; c += Tr::kConsumerThreads) {
+            int const row = c / 8 % kBlockN;
+            if (row >= valid) {
+                uint32_t const addr = sV(stage) + (c / (8 * kBlockN)) * Tr::kPanelKVBytes + row * 128 + (c % 8) * 16;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier_sync(1, Tr::kConsumerThreads);
+    };
     auto rescale_o = [&](const float (&correction)[2]) {
 #pragma unroll
         for (int i = 0; i < kHeadDim / 8; ++i)
@@ -381,6 +422,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         if (found == 0) continue;
         m0 = tile.m0;
         row0 = m0 + row_in_block;  // rows row0 and row0 + 8
+        seqlen_q = tile.seq.seqlen_q;
+        seqlen_k = tile.seq.seqlen_k;
+        diag = seqlen_k - seqlen_q;
         n_block_max = tile.n_block_max;
         int const n_blocks = n_block_max - tile.n_block_min;
         int const bidh = tile.bidh, bidb = tile.bidb;
@@ -418,6 +462,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 rescale_o(correction);
                 pack_p(s, p);
                 mbar_wait(full_v(stage), parity);
+                clear_v_tail(it, stage);
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_pv(stage, p);
@@ -451,6 +496,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             issue_qk(stage, s);
             wgmma_commit();
             mbar_wait(full_v(prev), parity_of(it - 1));
+            clear_v_tail(it - 1, prev);
             issue_pv(prev, p);
             wgmma_commit();
             wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
@@ -467,6 +513,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         if (Tr::kOverlap && n_blocks > 0) {
             int const last = stage_of(n_blocks - 1);
             mbar_wait(full_v(last), parity_of(n_blocks - 1));
+            clear_v_tail(n_blocks - 1, last);
             fence_registers(acc_o);
             wgmma_fence();
             issue_pv(last, p);
@@ -478,9 +525,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 
         used += n_blocks;
 
-        // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global.
-        T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride;
-        float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride + bidh * params.lse_head_stride;
+        // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global;
+        // the sequence's rows start at q_offset (varlen).
+        int const q_offset = tile.seq.q_offset;
+        T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
+                    q_offset * params.o_row_stride;
+        float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
+                         bidh * params.lse_head_stride + q_offset;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[half]);

@@ -281,12 +281,15 @@ from test_varlen import (  # noqa: E402
 )
 
 
-@pytest.mark.parametrize("splits", [pytest.param(1, id="core-nosplit"), pytest.param(7, id="splits7")])
-def test_sanitize_varlen_fwd(splits):
+@pytest.mark.parametrize("splits, pack_gqa", [
+    pytest.param(1, None, id="core-nosplit"), pytest.param(7, None, id="splits7"),
+    pytest.param(1, False, id="sm90-unpacked"),  # the sm90 forward on Hopper: TMA rows past each sequence
+])
+def test_sanitize_varlen_fwd(splits, pack_gqa):
     lengths_q, lengths_k = LENGTHS["ragged"]
     q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
     out, lse = run_varlen(q, k, v, cu_q, cu_k, [max(lengths_q) + 50], [max(lengths_k) + 9], causal=True,
-                          num_splits=splits)
+                          num_splits=splits, pack_gqa=pack_gqa)
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
 
 

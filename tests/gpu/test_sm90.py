@@ -143,3 +143,66 @@ def test_no_keys_takes_sm80(monkeypatch, launched):
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v)
     assert (out == 0).all() and torch.isneginf(lse).all()
     assert len(launched) == 1 and launched[0].startswith("flash_fwd_sm80_"), launched
+
+
+VARLEN_LENGTHS = {  # name -> (query lengths, key lengths): empty, one-row and multi-block sequences
+    "ragged": ([113, 0, 1, 257, 64, 300], [200, 17, 1, 257, 1023, 129]),
+    "longer-q": ([300, 129], [100, 5]),
+}
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("lengths", VARLEN_LENGTHS)
+def test_sm90_varlen(monkeypatch, launched, lengths, dtype, head_dim, mask):
+    # Sequences are rows of one tensor: the TMA reads past a sequence's end into the next one's
+    # rows, which the kernel must neither store (queries) nor let count (keys).
+    from test_varlen import MASKS, check_sequences, ragged, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = VARLEN_LENGTHS[lengths]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 2, head_dim, dtype)
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, pack_gqa=False, **MASKS[mask])
+    suffix = "" if mask == "none" else "_" + mask
+    assert launched == [f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{suffix}_sm90a"], launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
+
+
+def test_sm90_varlen_seqused_and_dense(monkeypatch, launched):
+    from test_varlen import check_sequences, ragged, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = [300, 1, 0, 257], [1000, 300, 5, 2048]
+    used_q, used_k = [200, 1, 0, 129], [999, 1, 0, 1500]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16)
+    used = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
+                seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, causal=True, pack_gqa=False, **used)
+    assert launched == ["flash_fwd_sm90_hdim128_bf16_causal_sm90a"], launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q, used_k, causal=True)
+
+    # One sequence: the varlen call is the dense one, bitwise (same family, same tiles).
+    q, k, v, cu_q, cu_k = ragged([777], [1030], 4, 4, 64, torch.float16)
+    one = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 777, 1030, causal=True)
+    dense = flashgen.flash_attn_func(q[None], k[None], v[None], causal=True)[0]
+    assert launched[-2:] == ["flash_fwd_sm90_hdim64_fp16_causal_sm90a"] * 2, launched
+    torch.testing.assert_close(one, dense, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_sm90_varlen_ignores_nonfinite_rows_past_a_sequence(monkeypatch, launched, causal):
+    # The TMA reads a key block past a sequence's end into the next sequence's rows; there they are
+    # NaN and inf (rows no sequence uses): the kernel must not let 0 * NaN into the output.
+    from test_varlen import check_sequences, ragged
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k, used_k = [200, 3, 129], [250, 60, 300], [250, 1, 300]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 4, 4, 128, torch.bfloat16)
+    k[251:310] = float("nan")
+    v[251:280], v[280:310] = float("nan"), float("inf")
+    seqused_k = torch.tensor(used_k, dtype=torch.int32, device="cuda")
+    out, lse = flashgen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                               seqused_k=seqused_k, pack_gqa=False, return_attn_probs=True)[:2]
+    assert launched == [f"flash_fwd_sm90_hdim128_bf16{'_causal' if causal else ''}_sm90a"], launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_k=used_k, causal=causal)
