@@ -198,6 +198,9 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(sm90=True, varlen=True).spec.family == "sm90"
     assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
+    packed = plan(sm90=True, nheads_k=4, pack_gqa=True, batch=1, seqlen_q=100, seqlen_k=100)
+    assert packed.spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_sm90a"
+    assert packed.grid == (-(-100 * 4 // 128) * 4, 1, 1)  # packed row blocks x KV heads
     assert plan(sm90=True, head_dim=256).tile.block_n == 64
     # The caller says no (tensors the TMA cannot read), the knob forces sm80, or the device
     # is not Hopper: the sm80 family.
@@ -209,7 +212,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 
 
 @pytest.mark.parametrize("change", [
-    dict(head_dim=96), dict(head_dim=120), dict(pack_gqa=True, nheads_k=4),
+    dict(head_dim=96), dict(head_dim=120), dict(pack_gqa=True, nheads=12, nheads_k=2),  # a group of 6: 128 % 6
     dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True),
     dict(paged=True, varlen=True),
     dict(dropout=True), dict(seqlen_k=0),
@@ -281,7 +284,7 @@ def test_sm90_params_memoize_the_three_maps(monkeypatch):
 
     calls = []
 
-    def fake_encode(t, box_rows):
+    def fake_encode(t, box_rows, group=1):
         calls.append((t.data_ptr(), box_rows))
         return bytes([len(calls)]) * tma.TMA_MAP_BYTES
 

@@ -20,8 +20,8 @@ FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * (2 * 2 * 2 * 2 + 2 * 
 BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dropout
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
-# The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap.
-SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2
+# The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2
 
 
 def test_uris_unique_and_readable():
@@ -74,7 +74,7 @@ def test_matrix_counts():
     sm90 = [s for s in matrix.all_specs() if s.family == "sm90"]
     assert len(sm90) == SM90_FWD
     assert all(s.direction == "fwd" and s.arch == "sm_90a" and s.head_dim in matrix.SM90_FWD_HEAD_DIMS
-               and not (s.pack_gqa or s.paged or s.decode or s.dropout) for s in sm90)
+               and not (s.paged or s.decode or s.dropout) for s in sm90)
     assert {(s.mask, s.softcap) for s in sm90} == {(m, c) for m in MASKS for c in (False, True)}
     assert matrix.all_specs(directions=["varlen"]) == []
     assert matrix.all_specs() == sorted(matrix.all_specs())
@@ -112,11 +112,11 @@ def test_every_capability_maps_into_the_matrix():
 
 
 @pytest.mark.parametrize("change", [
-    dict(direction="bwd"), dict(pack_gqa=True), dict(paged=True), dict(decode=True), dict(dropout=True),
+    dict(direction="bwd"), dict(paged=True), dict(decode=True), dict(dropout=True),
 ])
 def test_sm90_spec_is_a_plain_forward(change):
     fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")
     KernelSpec(**fields)  # the plain forward is valid, also with a local mask and softcap
-    KernelSpec(**{**fields, "mask": "local", "softcap": True})
+    KernelSpec(**{**fields, "mask": "local", "softcap": True, "pack_gqa": True})
     with pytest.raises(ValueError, match="sm90 family"):
         KernelSpec(**{**fields, **change})

@@ -64,11 +64,11 @@ def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
         if dropout and (paged or decode):  # dropout is for training (see spec.py)
             continue
         yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
-    for arch, dtype, head_dim, mask, softcap in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags
+    for arch, dtype, head_dim, mask, softcap, pack_gqa in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags
     ):
         if archs is None or arch in archs:
-            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap)
+            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -76,7 +76,9 @@ def render_instance(spec: KernelSpec) -> str:
             **attention, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),
         )
     if spec.family == "sm90":
-        return _env().get_template("fwd_sm90_instance.cu.j2").render(**attention, overlap=_cpp_bool(tile.overlap))
+        return _env().get_template("fwd_sm90_instance.cu.j2").render(
+            **attention, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
+        )
     return _env().get_template("fwd_instance.cu.j2").render(
         **attention,
         num_warps=tile.num_warps,

@@ -85,9 +85,8 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
-            if self.family == "sm90" and (self.direction != "fwd" or
-                                          self.pack_gqa or self.paged or self.decode or self.dropout):
-                raise ValueError(f"the sm90 family is a forward without PackGQA, paging, decode or dropout: {self}")
+            if self.family == "sm90" and (self.direction != "fwd" or self.paged or self.decode or self.dropout):
+                raise ValueError(f"the sm90 family is a forward without paging, decode or dropout: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout) != (
             0, "none", False, False, False, False, False
         ):

@@ -110,6 +110,9 @@ def decode_tile(arch: str, head_dim: int) -> FwdTile:
     raise ValueError(f"no decode tile fits {arch} at head_dim {head_dim}")
 
 
+SM90_BLOCK_M = 128  # query rows of an sm90 forward tile: two consumer warpgroups of 64 (kBlockM)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90FwdTile:
     """The sm90 forward's CTA (fwd_sm90.cuh): a producer warpgroup and two consumer warpgroups of
@@ -118,7 +121,7 @@ class Sm90FwdTile:
     block_n: int     # keys per block (the S = Q·Kᵀ wgmma's N)
     stages: int = 2  # K/V blocks in flight
     overlap: bool = True  # softmax of block j + 1 during block j's P·V (kOverlap in fwd_sm90.cuh)
-    block_m: int = 128
+    block_m: int = SM90_BLOCK_M
     num_warps: int = 12
 
     @property

@@ -9,7 +9,7 @@ import logging
 
 from ..generator import matrix
 from ..generator.spec import HEAD_DIMS, KernelSpec
-from ..generator.tiles import DECODE_MAX_ROWS, FwdTile, fwd_tile
+from ..generator.tiles import DECODE_MAX_ROWS, SM90_BLOCK_M, FwdTile, fwd_tile
 from . import heuristics
 
 logger = logging.getLogger("flashgen")
@@ -61,13 +61,16 @@ def instance_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}, got {head_dim}")
 
 
-def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, paged: bool, decode: bool, varlen: bool,
-                dropout: bool) -> bool:
+def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: int, paged: bool, decode: bool,
+                varlen: bool, dropout: bool) -> bool:
     """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
-    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, dense or varlen, and none of the
-    features it does not have yet (PackGQA, paged K/V, the decode tile and its split-KV, dropout)."""
+    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, dense or varlen, PackGQA when
+    the group divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads),
+    and none of the features it does not have yet (paged K/V, the decode tile and its split-KV,
+    dropout)."""
     return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS
-            and not (pack_gqa or paged or decode or dropout))
+            and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
+            and not (paged or decode or dropout))
 
 
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):
@@ -181,15 +184,17 @@ def plan_fwd(
         )
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and num_splits == 1 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, pack_gqa=pack, paged=paged, decode=decode, varlen=varlen,
-        dropout=dropout,
+        head_dim=head_dim, mask=mask, pack_gqa=pack, qhead_per_khead=nheads // nheads_k, paged=paged,
+        decode=decode, varlen=varlen, dropout=dropout,
     ):
         tile = fwd_tile("sm90", arch, head_dim)
-        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0)
+        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0, pack)
         # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
-        # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh).
-        row_blocks = -(-seqlen_q // tile.block_m)
-        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * nheads * batch
+        # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
+        # packed, a tile's rows are the (query, head) pairs of one KV head.
+        group = nheads // nheads_k if pack else 1
+        row_blocks = -(-seqlen_q * group // tile.block_m)
+        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if pack else nheads) * batch
         return FwdPlan(spec, tile, (min(units, device.num_sms), 1, 1), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)

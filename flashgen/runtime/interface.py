@@ -239,7 +239,8 @@ def run_fwd(
     )
     index = device_index(q)
     if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
-        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed)
+        group = nheads // nheads_k if plan.spec.pack_gqa else 1
+        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     if splits > 1:
         # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine

@@ -39,16 +39,18 @@ def compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
+def tensor_map(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
     """The CUtensorMap bytes of a (batch, rows, heads, d) fp16/bf16 tensor, boxes of
-    PANEL_COLUMNS x box_rows, 128-byte swizzle, zero fill out of bounds."""
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, box_rows)
+    PANEL_COLUMNS x box_rows, 128-byte swizzle, zero fill out of bounds. ``group`` > 1 (PackGQA's
+    Q): heads come in groups of `group` that share a KV head, and a box is box_rows / group rows
+    of all heads of one group, head fastest: packed row r of the box is row r / group, head r % group."""
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, box_rows, group)
     with _lock:
         blob = _maps.get(key)
         if blob is not None:
             _maps.move_to_end(key)
             return blob
-    blob = _encode(t, box_rows)
+    blob = _encode(t, box_rows, group)
     with _lock:
         _maps[key] = blob
         if len(_maps) > _MAX_MAPS:
@@ -56,7 +58,7 @@ def tensor_map(t: torch.Tensor, box_rows: int) -> bytes:
     return blob
 
 
-def _encode(t: torch.Tensor, box_rows: int) -> bytes:
+def _encode(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
     driver = _import_driver()
     batch, rows, heads, d = t.shape
     size = t.element_size()
@@ -64,18 +66,24 @@ def _encode(t: torch.Tensor, box_rows: int) -> bytes:
         torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     }[t.dtype]
+    # Dimensions after the contiguous columns, innermost first: (size, stride, box).
+    if group == 1:
+        dims = [(rows, t.stride(1), box_rows), (heads, t.stride(2), 1), (batch, t.stride(0), 1)]
+    else:
+        if heads % group or box_rows % group:
+            raise ValueError(f"a PackGQA map needs the group ({group}) to divide heads ({heads}) and box rows ({box_rows})")
+        dims = [(group, t.stride(2), group), (rows, t.stride(1), box_rows // group),
+                (heads // group, group * t.stride(2), 1), (batch, t.stride(0), 1)]
     # A dimension of size 1 is never stepped over: give it a valid stride whatever the tensor says
     # (an expanded or sliced view may carry 0 or an odd value there).
-    strides = [t.stride(1), t.stride(2), t.stride(0)]
-    sizes = [rows, heads, batch]
-    strides = [s if n > 1 else d for s, n in zip(strides, sizes)]
+    dims = [(n, stride if n > 1 else d, box) for n, stride, box in dims]
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     err, tensor_map = driver.cuTensorMapEncodeTiled(
-        dtype, u32(4), t.data_ptr(),
-        [u64(d), u64(rows), u64(heads), u64(batch)],
-        [u64(s * size) for s in strides],
-        [u32(PANEL_COLUMNS), u32(box_rows), u32(1), u32(1)],
-        [u32(1)] * 4,
+        dtype, u32(1 + len(dims)), t.data_ptr(),
+        [u64(d)] + [u64(n) for n, _, _ in dims],
+        [u64(stride * size) for _, stride, _ in dims],
+        [u32(PANEL_COLUMNS)] + [u32(box) for _, _, box in dims],
+        [u32(1)] * (1 + len(dims)),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -84,7 +92,7 @@ def _encode(t: torch.Tensor, box_rows: int) -> bytes:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise CudaError(
             f"cuTensorMapEncodeTiled failed for a tensor of shape {tuple(t.shape)}, strides {tuple(t.stride())}, "
-            f"{t.dtype}: {_error_text(driver, err)}"
+            f"{t.dtype}, group {group}: {_error_text(driver, err)}"
         )
     return ctypes.string_at(tensor_map.getPtr(), TMA_MAP_BYTES)
 
@@ -92,18 +100,19 @@ def _encode(t: torch.Tensor, box_rows: int) -> bytes:
 _triples: collections.OrderedDict = collections.OrderedDict()
 
 
-def sm90_fwd_params(q, k, v, block_m: int, block_n: int, fwd_params: bytes) -> bytes:
+def sm90_fwd_params(q, k, v, block_m: int, block_n: int, fwd_params: bytes, group: int = 1) -> bytes:
     """Sm90FwdParams (fwd_sm90.cuh): the Q, K, V maps, then FwdParams, padded to the struct's
-    64-byte alignment. The three maps are memoized together: one lookup per call."""
+    64-byte alignment. The three maps are memoized together: one lookup per call. ``group`` > 1:
+    PackGQA's Q map (tensor_map)."""
     key = (q.data_ptr(), q.shape, q.stride(), k.data_ptr(), k.shape, k.stride(), v.data_ptr(), v.shape, v.stride(),
-           q.dtype, block_m, block_n)
+           q.dtype, block_m, block_n, group)
     with _lock:
         maps = _triples.get(key)
         if maps is not None:
             _triples.move_to_end(key)
     if maps is None:
         q4, k4, v4 = (t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v))  # varlen: a batch of one
-        maps = tensor_map(q4, block_m) + tensor_map(k4, block_n) + tensor_map(v4, block_n)
+        maps = tensor_map(q4, block_m, group) + tensor_map(k4, block_n) + tensor_map(v4, block_n)
         with _lock:
             _triples[key] = maps
             if len(_triples) > _MAX_MAPS:

@@ -23,8 +23,9 @@
 // in shared memory (clear_v_tail) so that P = 0 times them stays 0.
 //
 // Masks (causal, local), softcap and ALiBi come from common.cuh and the sequences' rows (varlen,
-// seqused) from seq_extent.cuh, as in the sm80 family. Not yet here (the sm80 family serves those
-// calls): PackGQA, paged K/V, split-KV, dropout, head dims other than 64/128/256; and of
+// seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide 128. Not yet
+// here (the sm80 family serves those calls): paged K/V, split-KV, dropout, head dims other than
+// 64/128/256; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers and O
 // stored through shared memory by the TMA.
 #pragma once
@@ -82,6 +83,15 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDescriptor* m
         : "memory");
 }
 
+// The same for a 5-D box (PackGQA's Q: columns, heads of the group, rows, KV head, batch).
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
+                                            int c2, int c3, int c4) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
+
 // ---- Registers moved between warpgroups (the kernel has a register cap: __launch_bounds__(n, 1)).
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -123,7 +133,8 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
            (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
 }
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
+          bool kPackGQA_>
 struct Sm90FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -133,6 +144,10 @@ struct Sm90FwdTraits {
     static constexpr int kStages = kStages_;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;  // scores through softcap * tanh(s / softcap)
+    // A tile's rows are (query, head) pairs of one KV head's G = nheads / nheads_k query heads,
+    // head fastest: packed row r is query r / G of head kv_head * G + r % G. Q arrives by one 5-D
+    // TMA box (64 columns, G heads, 128 / G queries), so G divides 128 (dispatch.sm90_covers).
+    static constexpr bool kPackGQA = kPackGQA_;
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kNThreads = 384;
@@ -185,11 +200,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     // linearly, so a unit is a pair of row blocks m and m_blocks - 1 - m of one head, the costlier
     // first: every unit sees about the same number of key blocks, and the CTAs end together
     // without an atomic tile counter (the middle row block of an odd count is a unit alone).
-    int const m_blocks = (params.max_seqlen_q + kBlockM - 1) / kBlockM;
+    FastDivmod const qhpk = params.qhead_per_khead;  // G, query heads per KV head
+    int const group = Tr::kPackGQA ? qhpk.divisor : 1;     // query heads in a tile's rows
+    int const tile_heads = Tr::kPackGQA ? params.nheads_k : params.nheads;
+    int const m_blocks = (params.max_seqlen_q * group + kBlockM - 1) / kBlockM;
     int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head)
-    int const units = pairs * params.nheads * params.batch;
+    int const units = pairs * tile_heads * params.batch;
+    // Packed row -> query position (its head is the rest); the identity without PackGQA.
+    auto query_pos = [&](int row) { return Tr::kPackGQA ? qhpk.div(row) : row; };
     struct Tile {
-        int m0, bidh, bidb, n_block_min, n_block_max;
+        int m0, bidh, bidb, n_block_min, n_block_max;  // bidh: the KV head under PackGQA
         SeqExtent seq;  // the sequence's rows (seq_extent.cuh)
     };
     // Slot i of this CTA: 1 and its tile, 0 for the missing second half of a lone middle row
@@ -202,14 +222,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         int const p = unit - bh * pairs;
         int const m_block = kCausal ? (half ? p : m_blocks - 1 - p) : p;
         if (kCausal && half && m_block == m_blocks - 1 - p) return 0;
-        tile.bidb = bh / params.nheads;
-        tile.bidh = bh - tile.bidb * params.nheads;
+        tile.bidb = bh / tile_heads;
+        tile.bidh = bh - tile.bidb * tile_heads;
         tile.m0 = m_block * kBlockM;
         tile.seq = seq_extent</*kPaged=*/false>(params, tile.bidb);
-        if (tile.m0 >= tile.seq.seqlen_q) return 0;
+        int const rows = tile.seq.seqlen_q * group;
+        if (tile.m0 >= rows) return 0;
         KeyBlocks const blocks =
-            key_blocks<kMask>(tile.m0, min(tile.m0 + kBlockM, tile.seq.seqlen_q) - 1, tile.seq.seqlen_k - tile.seq.seqlen_q,
-                              tile.seq.seqlen_k, kBlockN, window_left, window_right);
+            key_blocks<kMask>(query_pos(tile.m0), query_pos(min(tile.m0 + kBlockM, rows) - 1),
+                              tile.seq.seqlen_k - tile.seq.seqlen_q, tile.seq.seqlen_k, kBlockN, window_left, window_right);
         tile.n_block_min = blocks.begin;
         tile.n_block_max = max(blocks.end, blocks.begin);  // no blocks: rows that see no key
         return 1;
@@ -240,7 +261,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 int const found = tile_of_slot(slot, tile);
                 if (found < 0) break;
                 if (found == 0) continue;
-                int const bidh_kv = params.qhead_per_khead.div(tile.bidh);
+                int const bidh_kv = Tr::kPackGQA ? tile.bidh : qhpk.div(tile.bidh);
                 // Map coordinates: rows from the sequence's first, batch 0 for a varlen tensor. Rows
                 // past a sequence's end are the next one's (or the TMA's zero fill past the
                 // tensor): its queries are not stored, its keys masked (softmax), their V rows
@@ -277,7 +298,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
                 for (int p = 0; p < Tr::kPanels; ++p) {
-                    tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, q_row0, tile.bidh, q_batch);
+                    if constexpr (Tr::kPackGQA) {  // queries m0 / G .. of all G heads of KV head bidh
+                        tma_load_5d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, 0,
+                                    tile.seq.q_offset + tile.m0 / group, tile.bidh, q_batch);
+                    } else {
+                        tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, q_row0, tile.bidh, q_batch);
+                    }
                 }
                 for (int it = 1; it < n_blocks; ++it) load_kv(it);
                 ++tile_count;
@@ -298,7 +324,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     // The current tile (the lambdas below read these) and its running state.
     int m0 = 0, row0 = 0, n_block_max = 0;
     int seqlen_q = 0, seqlen_k = 0, diag = 0;  // the tile's sequence
-    float alibi_slope = 0.f;  // the tile's head's ALiBi slope in score units; 0 without ALiBi
+    int row_pos[2], row_head[2];  // the thread's two rows (row0, row0 + 8): query position, query head
+    float alibi_slope[2];         // their ALiBi slopes in score units; 0 without ALiBi
     const float* alibi_slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     float acc_o[kORegs];
     float row_max[2], row_sum[2];
@@ -330,7 +357,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     auto softmax = [&](int n_block, float (&s)[kSRegs], float (&correction)[2]) {
         int const key0 = n_block * kBlockN;
         auto key_of = [&](int i, int e) { return key0 + i * 8 + 2 * (lane % 4) + (e & 1); };
-        auto shifted_row_of = [&](int e) { return row0 + 8 * (e >> 1) + diag; };
+        auto shifted_row_of = [&](int e) { return row_pos[e >> 1] + diag; };
         if constexpr (Tr::kSoftcap) {
 #pragma unroll
             for (int i = 0; i < kSRegs; ++i) s[i] = softcap_score(s[i], params.softcap, params.softcap_scale);
@@ -339,9 +366,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[i * 4 + e] = alibi_score(s[i * 4 + e], alibi_slope, shifted_row_of(e), key_of(i, e));
+                for (int e = 0; e < 4; ++e)
+                    s[i * 4 + e] = alibi_score(s[i * 4 + e], alibi_slope[e >> 1], shifted_row_of(e), key_of(i, e));
         }
-        int const first_row = m0 + consumer * 64, last_row = first_row + 63;
+        // This warpgroup's first and last query positions (rows past the sequence only widen them).
+        int const first_row = query_pos(m0 + consumer * 64), last_row = query_pos(m0 + consumer * 64 + 63);
         bool const need_mask = key0 + kBlockN > seqlen_k ||
                                (kMask != Mask::None && key0 + kBlockN - 1 > first_row + diag + window_right) ||
                                (kMask == Mask::Local && key0 < last_row + diag - window_left);
@@ -428,7 +457,22 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         n_block_max = tile.n_block_max;
         int const n_blocks = n_block_max - tile.n_block_min;
         int const bidh = tile.bidh, bidb = tile.bidb;
-        if (alibi_slopes != nullptr) alibi_slope = alibi_slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale;
+        int const rows = seqlen_q * group;  // the tile's rows past this are not stored
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int const row = row0 + 8 * half;
+            if constexpr (Tr::kPackGQA) {
+                int in_group;
+                row_pos[half] = qhpk.divmod(in_group, row);
+                row_head[half] = bidh * group + in_group;
+            } else {
+                row_pos[half] = row;
+                row_head[half] = bidh;
+            }
+            alibi_slope[half] = alibi_slopes != nullptr && row < rows
+                                    ? alibi_slopes[bidb * params.alibi_batch_stride + row_head[half]] * params.alibi_scale
+                                    : 0.f;
+        }
 #pragma unroll
         for (int i = 0; i < kORegs; ++i) acc_o[i] = 0.f;
         row_max[0] = row_max[1] = -kInfinity;
@@ -526,26 +570,25 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         used += n_blocks;
 
         // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global;
-        // the sequence's rows start at q_offset (varlen).
+        // the sequence's rows start at q_offset (varlen); a packed row is (query, head).
         int const q_offset = tile.seq.q_offset;
-        T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + bidh * params.o_head_stride +
-                    q_offset * params.o_row_stride;
-        float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
-                         bidh * params.lse_head_stride + q_offset;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[half]);
             float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
-            int const row = row0 + 8 * half;
-            if (row < seqlen_q) {
-                T* o_row = o_base + row * params.o_row_stride;
+            if (row0 + 8 * half < rows) {
+                int const pos = q_offset + row_pos[half], head = row_head[half];
+                T* o_row = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride +
+                           head * params.o_head_stride + pos * params.o_row_stride;
+                float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
+                                 head * params.lse_head_stride + pos;
 #pragma unroll
                 for (int i = 0; i < kHeadDim / 8; ++i) {
                     *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
                         Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
                 }
                 if (lane % 4 == 0) {
-                    lse_out[row] = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                    *lse_out = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
                 }
             }
         }

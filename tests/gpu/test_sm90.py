@@ -206,3 +206,49 @@ def test_sm90_varlen_ignores_nonfinite_rows_past_a_sequence(monkeypatch, launche
                                                seqused_k=seqused_k, pack_gqa=False, return_attn_probs=True)[:2]
     assert launched == [f"flash_fwd_sm90_hdim128_bf16{'_causal' if causal else ''}_sm90a"], launched
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_k=used_k, causal=causal)
+
+
+@pytest.mark.parametrize("kwargs, mask", [
+    pytest.param({}, "none", id="nomask"), pytest.param({"causal": True}, "causal", id="causal"),
+    pytest.param({"window_size": (33, 7)}, "local", id="local"),
+    pytest.param({"alibi": True, "softcap": 5.0, "causal": True}, "causal", id="causal-softcap-alibi"),
+])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [
+    pytest.param(2, 113, 1023, 8, 2, id="g4-sq113-sk1023"), pytest.param(1, 1023, 300, 16, 2, id="g8-sq1023-sk300"),
+    pytest.param(2, 45, 500, 32, 1, id="mqa32-sq45"),
+])
+def test_sm90_packgqa(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads,
+                      nheads_k):
+    # A tile's 128 rows are (query, head) pairs of one KV head, loaded by one 5-D TMA box; masks
+    # and ALiBi slopes follow each row's own query position and head.
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    kwargs = dict(kwargs)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=True, **kwargs)
+    uri = (f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
+           f"{'_softcap' if kwargs.get('softcap') else ''}_packgqa_sm90a")
+    assert launched == [uri], launched
+    checked = check_against_ref(out, lse, q, k, v, **kwargs)
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=True, **kwargs)
+    assert launched[1].startswith("flash_fwd_sm80_") and "packgqa" in launched[1], launched
+    bound = 2 * checked.rule_k * (checked.out_pt.float() - checked.out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - out80.float()).abs().max().item() <= bound
+    torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_sm90_varlen_packgqa(monkeypatch, launched, mask):
+    from test_varlen import MASKS, check_sequences, ragged, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = VARLEN_LENGTHS["ragged"]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16)
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, pack_gqa=True, **MASKS[mask])
+    suffix = "" if mask == "none" else "_" + mask
+    assert launched == [f"flash_fwd_sm90_hdim128_bf16{suffix}_packgqa_sm90a"], launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
