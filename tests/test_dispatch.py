@@ -201,6 +201,12 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     packed = plan(sm90=True, nheads_k=4, pack_gqa=True, batch=1, seqlen_q=100, seqlen_k=100)
     assert packed.spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_sm90a"
     assert packed.grid == (-(-100 * 4 // 128) * 4, 1, 1)  # packed row blocks x KV heads
+    # A group of 6 does not divide 128 rows: the heuristic's packing gives way to unpacked sm90;
+    # packing the caller asks for stays, on sm80.
+    six = dict(sm90=True, nheads=12, nheads_k=2, batch=2, seqlen_q=64, seqlen_k=4096)
+    assert plan(**six).spec.uri == "flash_fwd_sm90_hdim128_bf16_sm90a"
+    assert plan(**six, pack_gqa=True).spec.uri == "flash_fwd_sm80_hdim128_bf16_packgqa_sm90a"
+    assert plan(**dict(six, nheads=16)).spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_sm90a"
     assert plan(sm90=True, head_dim=256).tile.block_n == 64
     # The caller says no (tensors the TMA cannot read), the knob forces sm80, or the device
     # is not Hopper: the sm80 family.
@@ -302,3 +308,43 @@ def test_sm90_params_memoize_the_three_maps(monkeypatch):
     assert len(calls) == 3
     tma.sm90_fwd_params(q, k, v[:, :32], 128, 64, fwd)  # another V geometry: one new map
     assert calls[3:] == [(v.data_ptr(), 64)]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_tma_map_geometry(monkeypatch, group):
+    # The arguments cuTensorMapEncodeTiled gets (no GPU here: a stand-in driver records them), for
+    # Q as a strided view of a packed qkv. Dimension 0 (columns) is innermost; strides in bytes for
+    # dims 1...; PackGQA (group > 1): (columns, heads of a group, rows, KV heads, batch), a box of
+    # 128 / group rows of all the group's heads, head fastest.
+    import ctypes
+    import types
+
+    import torch
+
+    from flashgen.runtime import tma
+
+    seen = {}
+    buffer = ctypes.create_string_buffer(tma.TMA_MAP_BYTES)
+
+    def encode(dtype, rank, ptr, dims, strides, box, elem_strides, *modes):
+        seen.update(rank=rank, dims=dims, strides=strides, box=box)
+        return 0, types.SimpleNamespace(getPtr=lambda: ctypes.addressof(buffer))
+
+    enum = type("Enum", (), {"__getattr__": lambda self, name: name})()
+    driver = types.SimpleNamespace(
+        cuTensorMapEncodeTiled=encode, cuuint64_t=int, cuuint32_t=int, CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+        CUtensorMapDataType=enum, CUtensorMapInterleave=enum, CUtensorMapSwizzle=enum, CUtensorMapL2promotion=enum,
+        CUtensorMapFloatOOBfill=enum,
+    )
+    monkeypatch.setattr(tma, "_import_driver", lambda: driver)
+    q = torch.empty(2, 13, 3, 8, 64, dtype=torch.bfloat16)[:, :, 1]  # (batch, rows, heads, d)
+    row, head, batch = 3 * 8 * 64 * 2, 64 * 2, 13 * 3 * 8 * 64 * 2  # byte strides
+    assert len(tma._encode(q, 128, group)) == tma.TMA_MAP_BYTES
+    if group == 1:
+        assert (seen["rank"], seen["dims"], seen["strides"], seen["box"]) == (
+            4, [64, 13, 8, 2], [row, head, batch], [64, 128, 1, 1])
+    else:
+        assert (seen["rank"], seen["dims"], seen["strides"], seen["box"]) == (
+            5, [64, 4, 13, 2, 2], [head, row, 4 * head, batch], [64, 4, 32, 1, 1])
+    with pytest.raises(ValueError, match="group"):
+        tma._encode(q, 128, 3)  # 3 divides neither 8 heads nor 128 rows

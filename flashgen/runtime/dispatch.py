@@ -182,17 +182,20 @@ def plan_fwd(
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, dropout=dropout,
         )
+    # The heuristic's packing, for a group that does not divide an sm90 tile's rows: unpacked sm90.
+    sm90_pack = pack and (pack_gqa is not None or SM90_BLOCK_M % qhead_per_khead == 0)
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and num_splits == 1 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, pack_gqa=pack, qhead_per_khead=nheads // nheads_k, paged=paged,
+        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
         decode=decode, varlen=varlen, dropout=dropout,
     ):
+        pack = sm90_pack
         tile = fwd_tile("sm90", arch, head_dim)
         spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0, pack)
         # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
         # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
         # packed, a tile's rows are the (query, head) pairs of one KV head.
-        group = nheads // nheads_k if pack else 1
+        group = qhead_per_khead if pack else 1
         row_blocks = -(-seqlen_q * group // tile.block_m)
         units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if pack else nheads) * batch
         return FwdPlan(spec, tile, (min(units, device.num_sms), 1, 1), 1, window_left, window_right)

@@ -1,5 +1,6 @@
 """TMA tensor maps for the sm90 forward (fwd_sm90.cuh): Q, K and V as 4-D tensors (head-dim
-columns, rows, heads, batch; a varlen (total, heads, d) tensor is a batch of one) read in boxes of 64 columns (one 128-byte swizzled panel) by a tile's
+columns, rows, heads, batch; a varlen (total, heads, d) tensor is a batch of one; PackGQA's Q as
+5-D, see tensor_map) read in boxes of 64 columns (one 128-byte swizzled panel) by a tile's
 rows. Encoded with cuTensorMapEncodeTiled and memoized by (address, shape, strides, dtype, box):
 a call on tensors seen before costs a dictionary lookup.
 """

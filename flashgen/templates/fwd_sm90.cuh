@@ -2,7 +2,8 @@
 // cores' warpgroup MMA (wgmma) and the TMA copy engine, warp-specialized.
 //
 // A CTA is persistent (one per SM): it loops over tiles of kBlockM = 128 query rows of one
-// (batch, head) on a static, cost-balanced schedule (below), and is three warpgroups:
+// (batch, head), or under PackGQA of one (batch, KV head), on a static, cost-balanced schedule
+// (below), and is three warpgroups:
 //   warpgroup 0, the producer: one thread issues TMA loads of each tile's Q and of the K and V
 //     blocks into a ring of kStages stages, each completing on its own mbarrier ("full"); it
 //     refills a stage once both consumers have released it (the "empty" mbarriers). The ring runs
@@ -42,8 +43,8 @@ struct alignas(64) TmaDescriptor {
     unsigned long long opaque[16];
 };
 
-// The sm90 forward's one parameter: three tensor maps (Q, K, V as (d, rows, heads, batch)) and
-// the FwdParams every forward takes.
+// The sm90 forward's one parameter: three tensor maps (Q, K, V as (d, rows, heads, batch); Q
+// packed as (d, heads of a group, rows, KV heads, batch)) and the FwdParams every forward takes.
 struct Sm90FwdParams {
     TmaDescriptor tma_q;
     TmaDescriptor tma_k;

@@ -1,7 +1,7 @@
 """GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
 
 The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
-with head dim 64/128/256 and no PackGQA, paging, split-KV, varlen or dropout); here it is held to FlashAttention's
+with head dim 64/128/256 and no paging, split-KV or dropout); here it is held to FlashAttention's
 rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
 cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
 and compared with the sm80 family forced on the same inputs.
@@ -107,7 +107,7 @@ def test_sm90_features(monkeypatch, launched, dtype, head_dim, kwargs, mask, bat
     if kwargs.pop("alibi", False):  # a different slope per batch and head
         kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    # pack_gqa=False: the heuristic would pack the GQA case's heads, which only sm80 does.
+    # pack_gqa=False: this test is about the unpacked instances (test_sm90_packgqa: the packed ones).
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=False, **kwargs)
     uri = (f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
            f"{'_softcap' if kwargs.get('softcap') else ''}_sm90a")
@@ -217,7 +217,10 @@ def test_sm90_varlen_ignores_nonfinite_rows_past_a_sequence(monkeypatch, launche
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [
     pytest.param(2, 113, 1023, 8, 2, id="g4-sq113-sk1023"), pytest.param(1, 1023, 300, 16, 2, id="g8-sq1023-sk300"),
-    pytest.param(2, 45, 500, 32, 1, id="mqa32-sq45"),
+    pytest.param(2, 45, 500, 32, 1, id="mqa32-sq45"), pytest.param(3, 300, 257, 4, 2, id="g2-sq300"),
+    pytest.param(1, 77, 300, 64, 1, id="mqa64-sq77"),  # two queries per tile
+    # More work units than SMs: a CTA moves on to other KV heads and batches.
+    pytest.param(4, 2047, 2047, 16, 4, id="g4-many-units"),
 ])
 def test_sm90_packgqa(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads,
                       nheads_k):
@@ -233,6 +236,9 @@ def test_sm90_packgqa(monkeypatch, launched, dtype, head_dim, kwargs, mask, batc
            f"{'_softcap' if kwargs.get('softcap') else ''}_packgqa_sm90a")
     assert launched == [uri], launched
     checked = check_against_ref(out, lse, q, k, v, **kwargs)
+    for feature in ("window_size", "softcap", "alibi_slopes"):  # a kernel that ignored one would fail
+        if feature in kwargs:
+            assert_feature_matters(q, k, v, checked, **{key: val for key, val in kwargs.items() if key != feature})
     monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
     out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=True, **kwargs)
     assert launched[1].startswith("flash_fwd_sm80_") and "packgqa" in launched[1], launched
