@@ -530,32 +530,40 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             if (n_blocks == 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
             softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
             pack_p(s, p);
-        }
-        for (int it = 1; Tr::kOverlap && it < n_blocks; ++it) {
-            int const stage = stage_of(it), prev = stage_of(it - 1);
-            float s[kSRegs];
-            float correction[2];
-            mbar_wait(full_k(stage), parity_of(it));
-            fence_registers(acc_o);
-            wgmma_fence();
-            issue_qk(stage, s);
-            wgmma_commit();
-            mbar_wait(full_v(prev), parity_of(it - 1));
-            clear_v_tail(it - 1, prev);
-            issue_pv(prev, p);
-            wgmma_commit();
-            wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
-            fence_registers(s);
-            mbar_arrive(empty_k(stage));
-            if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
-            softmax(n_block_max - 1 - it, s, correction);
-            wgmma_wait<0>();
-            fence_registers(acc_o);
-            mbar_arrive(empty_v(prev));
-            rescale_o(correction);
-            pack_p(s, p);
-        }
-        if (Tr::kOverlap && n_blocks > 0) {
+            // Block it's Q·Kᵀ and block it - 1's P·V go out together, and block it's softmax runs
+            // while that P·V does; the wait for it comes after the loop's back edge (finish), since
+            // ptxas schedules within a basic block and, in the same one, issues the wait (and
+            // stalls) ahead of the softmax. Then O is rescaled and block it's P packed.
+            auto start_block = [&](int it) {
+                int const stage = stage_of(it), prev = stage_of(it - 1);
+                mbar_wait(full_k(stage), parity_of(it));
+                mbar_wait(full_v(prev), parity_of(it - 1));
+                clear_v_tail(it - 1, prev);
+                fence_registers(acc_o);
+                wgmma_fence();
+                issue_qk(stage, s);
+                wgmma_commit();
+                issue_pv(prev, p);
+                wgmma_commit();
+                wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
+                fence_registers(s);
+                mbar_arrive(empty_k(stage));
+                if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
+                softmax(n_block_max - 1 - it, s, correction);
+            };
+            auto finish_block = [&](int it) {
+                wgmma_wait<0>();
+                fence_registers(acc_o);
+                mbar_arrive(empty_v(stage_of(it - 1)));
+                rescale_o(correction);
+                pack_p(s, p);
+            };
+            if (n_blocks > 1) start_block(1);
+            for (int it = 2; it < n_blocks; ++it) {
+                finish_block(it - 1);
+                start_block(it);
+            }
+            if (n_blocks > 1) finish_block(n_blocks - 1);
             int const last = stage_of(n_blocks - 1);
             mbar_wait(full_v(last), parity_of(n_blocks - 1));
             clear_v_tail(n_blocks - 1, last);
