@@ -141,7 +141,7 @@ class Sm90FwdTile:
 # takes 64-key blocks so that two stages fit in 227 KB. Issuing block j's P·V with block j + 1's
 # Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
 # 612 / 575) but not at d64 (376 / 401); measured while ptxas still ran the exponentials after the
-# P·V's wait (fwd_sm90.cuh), so not yet the softmax overlap itself.
+# P·V's wait (before the reordering in fwd_sm90.cuh): to be measured again, d64 included.
 _FWD_SM90 = {64: Sm90FwdTile(128, overlap=False), 128: Sm90FwdTile(128), 256: Sm90FwdTile(64)}
 
 

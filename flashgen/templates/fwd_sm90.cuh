@@ -13,9 +13,8 @@
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
-//     P·V is issued with block j + 1's Q·Kᵀ so that it can run during block j + 1's softmax.
-//     (As compiled by NVRTC 13.0, ptxas puts the wait for that P·V ahead of the softmax's
-//     exponentials, in SASS: only the masking overlaps it so far.)
+//     P·V is issued with block j + 1's Q·Kᵀ and runs during block j + 1's softmax (the wait for it
+//     sits after the loop's back edge, where ptxas cannot hoist it above the exponentials).
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B; the wgmma
 // descriptors' 128-byte swizzle mode): row r of a panel is 128 bytes at r * 128, its 16-byte
 // chunks permuted by r % 8, 8-row atoms 1024 bytes apart. No load is predicated: rows past a
