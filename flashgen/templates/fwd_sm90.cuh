@@ -405,17 +405,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             row_sum[half] = row_sum[half] * correction[half] + sum;
         }
     };
-    // The rows of a tile's first key block past the sequence's keys: the next sequence's under
-    // varlen, or rows a shorter seqused_k leaves unused (the TMA stops only at the tensor's end).
-    // P is 0 there, but 0 times an inf or NaN value is NaN, so those V rows are zeroed in shared
-    // memory before the P·V that reads them (both consumers at once, then a barrier; the fence
-    // orders the stores before the wgmma's reads). Dense rows past the tensor are zero already:
-    // clearing them again costs one pass over a block, once per tile.
-    auto clear_v_tail = [&](int it, int stage) {
-        if (it != 0 || n_block_max * kBlockN <= seqlen_k) return;
+    // The rows of a tile's first key block (the last in key order) past the sequence's keys: the
+    // next sequence's under varlen, or rows a shorter seqused_k leaves unused (the TMA stops only
+    // at the tensor's end). P is 0 there, but 0 times an inf or NaN value is NaN, so those V rows
+    // are zeroed in shared memory before any P·V reads them: both consumers at once, once per tile
+    // before its block loop (so that the loops carry no barrier), after the block's V has landed;
+    // the fence orders the stores before the wgmma's reads. Dense rows past the tensor are zero
+    // already: clearing them again costs one pass over a block.
+    auto clear_v_tail = [&](int stage, uint32_t parity) {
         int const valid = seqlen_k - (n_block_max - 1) * kBlockN;  // keys of the block, 1 .. kBlockN - 1
         constexpr int kChunks = Tr::kPanels * kBlockN * 8;           // 16-byte chunks of one V block
         int const consumer_tid = tid - (Tr::kNThreads - Tr::kConsumerThreads);  // after the producer warpgroup
+        mbar_wait(full_v(stage), parity);
         for (int c = consumer_tid; c < kChunks; c += Tr::kConsumerThreads) {
             int const row = c / 8 % kBlockN;
             if (row >= valid) {
@@ -487,6 +488,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         // Otherwise each block's two MMAs and its softmax follow one another.
         mbar_wait(bar_q, tile_count & 1);
         if (n_blocks == 0) mbar_arrive(bar_q_empty);  // rows that see no key: Q is not read
+        if (n_blocks > 0 && n_block_max * kBlockN > seqlen_k) clear_v_tail(stage_of(0), parity_of(0));
         uint32_t p[kBlockN / 16][4];
         if constexpr (!Tr::kOverlap) {
             for (int it = 0; it < n_blocks; ++it) {
@@ -506,7 +508,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 rescale_o(correction);
                 pack_p(s, p);
                 mbar_wait(full_v(stage), parity);
-                clear_v_tail(it, stage);
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_pv(stage, p);
@@ -537,7 +538,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 int const stage = stage_of(it), prev = stage_of(it - 1);
                 mbar_wait(full_k(stage), parity_of(it));
                 mbar_wait(full_v(prev), parity_of(it - 1));
-                clear_v_tail(it - 1, prev);
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_qk(stage, s);
@@ -565,7 +565,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             if (n_blocks > 1) finish_block(n_blocks - 1);
             int const last = stage_of(n_blocks - 1);
             mbar_wait(full_v(last), parity_of(n_blocks - 1));
-            clear_v_tail(n_blocks - 1, last);
             fence_registers(acc_o);
             wgmma_fence();
             issue_pv(last, p);
