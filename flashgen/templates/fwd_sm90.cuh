@@ -363,11 +363,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             for (int i = 0; i < kSRegs; ++i) s[i] = softcap_score(s[i], params.softcap, params.softcap_scale);
         }
         if (alibi_slopes != nullptr) {
+            // i + diag - j at the thread's first key; the others are constants away. (Half the
+            // instructions of integer distances: with them this never-taken branch made the block
+            // loop about 100 instructions longer than without PackGQA's per-row positions.)
+            float const distance0[2] = {float(shifted_row_of(0) - key_of(0, 0)), float(shifted_row_of(2) - key_of(0, 0))};
 #pragma unroll
             for (int i = 0; i < kBlockN / 8; ++i)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    s[i * 4 + e] = alibi_score(s[i * 4 + e], alibi_slope[e >> 1], shifted_row_of(e), key_of(i, e));
+                    s[i * 4 + e] = alibi_score(s[i * 4 + e], alibi_slope[e >> 1], distance0[e >> 1] - float(i * 8 + (e & 1)));
         }
         // This warpgroup's first and last query positions (rows past the sequence only widen them).
         int const first_row = query_pos(m0 + consumer * 64), last_row = query_pos(m0 + consumer * 64 + 63);
