@@ -196,6 +196,13 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(sm90=True, causal=True).spec.mask == "causal"
     assert plan(sm90=True, window_size=(16, 0)).spec.mask == "local"
     assert plan(sm90=True, varlen=True).spec.family == "sm90"
+    # The sm90 kernel counts rows and work units in 32-bit ints: past that, sm80 (review finding:
+    # 65535 sequences of up to 64k rows x 128 heads, or PackGQA rows of an absurd max_seqlen_q).
+    huge = dict(sm90=True, varlen=True, head_dim=64, nheads=128, nheads_k=128, batch=65535, seqlen_q=65536)
+    assert plan(**huge).spec.family == "sm80" and plan(**dict(huge, batch=4096)).spec.family == "sm90"
+    packed = dict(sm90=True, nheads=8, nheads_k=1, pack_gqa=True, batch=1, seqlen_k=64)
+    assert plan(**packed, seqlen_q=2**27).spec.family == "sm90"
+    assert plan(**packed, seqlen_q=2**28).spec.family == "sm80"
     assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     packed = plan(sm90=True, nheads_k=4, pack_gqa=True, batch=1, seqlen_q=100, seqlen_k=100)
@@ -280,6 +287,8 @@ def test_tma_compatible_inputs():
     assert not tma.compatible(q.transpose(-1, -2))                              # columns not contiguous
     assert tma.compatible(q[0])                                                 # varlen (total, heads, d)
     assert not tma.compatible(q[0, 0]) and not tma.compatible(q[:, :0])         # not 3-/4-D; no rows
+    assert not tma.compatible(q[:1].expand(2, -1, -1, -1))                      # stride 0 over 2 batch rows
+    assert tma.compatible(q[:1], q[:, :1].expand(-1, 1, -1, -1))                # stride 0 over one row: never stepped
 
 
 def test_sm90_params_memoize_the_three_maps(monkeypatch):

@@ -189,16 +189,18 @@ def plan_fwd(
         head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
         decode=decode, varlen=varlen, dropout=dropout,
     ):
-        pack = sm90_pack
-        tile = fwd_tile("sm90", arch, head_dim)
-        spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0, pack)
+        sm90_tile = fwd_tile("sm90", arch, head_dim)
         # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
         # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
         # packed, a tile's rows are the (query, head) pairs of one KV head.
-        group = qhead_per_khead if pack else 1
-        row_blocks = -(-seqlen_q * group // tile.block_m)
-        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if pack else nheads) * batch
-        return FwdPlan(spec, tile, (min(units, device.num_sms), 1, 1), 1, window_left, window_right)
+        group = qhead_per_khead if sm90_pack else 1
+        row_blocks = -(-seqlen_q * group // sm90_tile.block_m)
+        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if sm90_pack else nheads) * batch
+        # The kernel counts rows, work units and each CTA's next unit in 32-bit ints; beyond them
+        # (batch x heads x row blocks past 2^31, reachable with varlen) the sm80 grid serves.
+        if seqlen_q * group + sm90_tile.block_m < 2**31 and units + device.num_sms < 2**31:
+            spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0, sm90_pack)
+            return FwdPlan(spec, sm90_tile, (min(units, device.num_sms), 1, 1), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)

@@ -430,6 +430,9 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         lse.fill_(-float("inf"))
         out.zero_()
         return out, lse, NO_DROPOUT
+    # No sequence has more rows than its tensor (the kernels clamp each one to it): an over-estimate
+    # would only size the grid, or the sm90 schedule, for rows that do not exist.
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, capacity)
     index = device_index(q)
     info = device_info(index)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)

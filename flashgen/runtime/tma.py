@@ -24,15 +24,16 @@ _lock = threading.Lock()
 def compatible(*tensors: torch.Tensor) -> bool:
     """Whether the TMA can read these (batch, rows, heads, d) or varlen (total, heads, d) tensors:
     rows to map, a contiguous last dim, a 16-byte aligned base, strides in 16-byte units (what
-    flashgen's _aligned already ensures for its copies), sizes within the 32-bit coordinates."""
+    flashgen's _aligned already ensures for its copies) and not 0 over a dimension it steps (an
+    expanded view: a tensor map's strides are positive), sizes within the 32-bit coordinates."""
     # On every Hopper forward call: one stride tuple and one shape tuple per tensor, no generators.
     for t in tensors:
         strides, shape = t.stride(), t.shape
         if len(strides) not in (3, 4) or strides[-1] != 1 or t.data_ptr() % 16:
             return False
         size = t.element_size()
-        for stride in strides[:-1]:
-            if (stride * size) % 16:
+        for stride, n in zip(strides[:-1], shape[:-1]):
+            if (stride * size) % 16 or (stride == 0 and n > 1):
                 return False
         for n in shape:
             if n == 0 or n >= 2**31:
