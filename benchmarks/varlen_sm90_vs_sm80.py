@@ -1,6 +1,6 @@
 """The sm90 forward against the sm80 family on the calls the sm90 family newly serves: varlen
-(16 ragged sequences of 256..1791 tokens, fixed seed, hidden 2048, bf16, d64/128/256, MHA and GQA
-4:1, causal or not) and few queries per sequence against a long context with GQA (PackGQA's shape).
+(16 ragged sequences of 256..1791 tokens, fixed seed, or 16 of 1024; hidden 2048, bf16,
+d64/128/256, MHA and GQA 4:1, causal or not) and few queries per sequence against a long context with GQA (PackGQA's shape).
 Each call runs twice in one process, with the default family choice (sm90 on Hopper) and with
 FLASHGEN_FAMILY=sm80; triton do_bench medians; max|diff| between the two outputs.
 
@@ -14,8 +14,9 @@ def tflops(flops, ms): return flops / ms / 1e9
 rows = []
 for d, h in ((64, 32), (128, 16), (256, 8)):
     for causal in (False, True):
-        for g in (1, 4):
-            lens = torch.randint(256, 1792, (16,)).tolist()  # ~16k tokens, ragged
+        for g, pattern in ((1, "ragged"), (4, "ragged"), (1, "equal")):
+            # ~16k tokens: ragged, or 16 sequences of 1024 (where a persistent schedule balances)
+            lens = torch.randint(256, 1792, (16,)).tolist() if pattern == "ragged" else [1024] * 16
             cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
             tot = int(cu[-1]); hk = h // g
             q = torch.randn(tot, h, d, device=dev, dtype=torch.bfloat16)
@@ -28,7 +29,7 @@ for d, h in ((64, 32), (128, 16), (256, 8)):
                 out = f(); torch.cuda.synchronize()
                 res[fam] = (tflops(flops, do_bench(f, warmup=25, rep=100)), out)
             err = (res["sm90"][1].float() - res["sm80"][1].float()).abs().max().item()
-            print(f"varlen bf16 d{d} h{h}/{hk} {'causal' if causal else 'full  '} tokens {tot}: sm90 {res['sm90'][0]:.0f} sm80 {res['sm80'][0]:.0f} TFLOP/s, x{res['sm90'][0]/res['sm80'][0]:.2f}, max|diff| {err:.1e}", flush=True)
+            print(f"varlen {pattern} bf16 d{d} h{h}/{hk} {'causal' if causal else 'full  '} tokens {tot}: sm90 {res['sm90'][0]:.0f} sm80 {res['sm80'][0]:.0f} TFLOP/s, x{res['sm90'][0]/res['sm80'][0]:.2f}, max|diff| {err:.1e}", flush=True)
 # PackGQA: few queries per sequence against a long context (speculative decoding / chunked prefill)
 for d, h, hk in ((128, 32, 8), (128, 64, 8)):
     for sq in (16, 64):
