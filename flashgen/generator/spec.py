@@ -44,7 +44,8 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
 # sm80: mma.sync + cp.async, every feature, every target (sm_80, sm_86, sm_90a). sm90: the Hopper
 # forward (wgmma + TMA, warp-specialized; fwd_sm90.cuh), sm_90a only, for the calls its instances
-# cover (matrix.SM90_FWD_HEAD_DIMS, masks none/causal, no feature switch); everything else keeps sm80.
+# cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA; no paging, decode tile or dropout);
+# everything else keeps sm80.
 FAMILIES = ("sm80", "sm90")
 
 Direction = Literal["fwd", "bwd", "append", "combine", "bwd_pre", "bwd_post"]
