@@ -83,7 +83,9 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDescriptor* m
         : "memory");
 }
 
-// The same for a 5-D box (PackGQA's Q: columns, heads of the group, rows, KV head, batch).
+// The same for a 5-D box (PackGQA's Q: columns, heads of the group, rows, KV head, batch). Not one
+// 5-D load for every map: its extra coordinate register made the d256 producer (24 registers)
+// spill in its per-block loop (NVRTC 13.0, local and softcap instances).
 __device__ __forceinline__ void tma_load_5d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
                                             int c2, int c3, int c4) {
     asm volatile(
