@@ -240,17 +240,26 @@ def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
 def test_sm90_tiles_fit_and_match_the_kernel_layout():
     from flashgen.generator import render
     from flashgen.generator.matrix import SM90_FWD_HEAD_DIMS
-    from flashgen.generator.tiles import fwd_tile, smem_limit
+    from flashgen.generator.tiles import Sm90FwdTile, fwd_tile, smem_limit
 
     for head_dim in SM90_FWD_HEAD_DIMS:
         tile = fwd_tile("sm90", "sm_90a", head_dim)
         assert tile.smem_bytes(head_dim) <= smem_limit("sm_90a")
         assert tile.block_m == 128 and tile.num_threads == 384 and tile.stages >= 2
+        # setmaxnreg: multiples of 8, and the three warpgroups within the 168 x 384 the launch allocates.
+        regs = (tile.producer_registers, tile.consumer_registers)
+        assert all(r % 8 == 0 for r in regs) and 24 <= regs[0] and (regs[0] + 2 * regs[1]) * 128 <= 168 * 384
     # The instance asserts the host's request against the kernel's own layout (kSmemBytes).
     source = render.render_instance(plan(sm90=True, head_dim=128).spec)
     assert f"Traits::kSmemBytes == {fwd_tile('sm90', 'sm_90a', 128).smem_bytes(128)}" in source
     with pytest.raises(ValueError, match="sm90"):
         fwd_tile("sm90", "sm_90a", 96)
+    tile = fwd_tile("sm90", "sm_90a", 128)
+    assert f"/*kProducerRegs=*/{tile.producer_registers}, /*kConsumerRegs=*/{tile.consumer_registers}>" in source
+    assert (Sm90FwdTile(128).producer_registers, Sm90FwdTile(128).consumer_registers) == (24, 240)
+    assert Sm90FwdTile(128, producer_registers=40).consumer_registers == 232
+    with pytest.raises(ValueError, match="setmaxnreg"):
+        Sm90FwdTile(128, producer_registers=36)
 
 
 def test_sm90_wgmma_wrappers_cover_the_tiles():

@@ -121,8 +121,22 @@ class Sm90FwdTile:
     block_n: int     # keys per block (the S = Q·Kᵀ wgmma's N)
     stages: int = 2  # K/V blocks in flight
     overlap: bool = True  # softmax of block j + 1 during block j's P·V (kOverlap in fwd_sm90.cuh)
+    # Registers per thread after setmaxnreg: the producer warpgroup's, and each consumer's, which
+    # take the rest of the 168 x 384 the launch allocates (168: the cap for 384 threads, 1 CTA).
+    producer_registers: int = 24
     block_m: int = SM90_BLOCK_M
     num_warps: int = 12
+
+    def __post_init__(self) -> None:
+        consumer = self.consumer_registers
+        if not (24 <= self.producer_registers <= consumer and self.producer_registers % 8 == 0 and consumer % 8 == 0):
+            raise ValueError(f"setmaxnreg needs multiples of 8 from 24 to 256: producer {self.producer_registers}, "
+                             f"consumers {consumer}")
+
+    @property
+    def consumer_registers(self) -> int:
+        """What the two consumer warpgroups get of the launch's registers once the producer gave its away."""
+        return (3 * SM90_LAUNCH_REGISTERS - self.producer_registers) // 2 // 8 * 8
 
     @property
     def num_threads(self) -> int:
@@ -137,12 +151,23 @@ class Sm90FwdTile:
         return 1
 
 
+# The per-thread register cap of a 384-thread CTA alone on an SM (__launch_bounds__(384, 1)): 65536
+# registers / 384 threads, rounded down to the allocation granule of 8.
+SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
+
 # (head_dim) -> sm90 forward tile: 128-key blocks (FlashAttention-3's causal d128 choice); d256
 # takes 64-key blocks so that two stages fit in 227 KB. Issuing block j's P·V with block j + 1's
 # Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
 # 612 / 575) but not at d64 (376 / 401). Measured again with the softmax really overlapping the
 # P·V (fwd_sm90.cuh), d64 bf16 s1k/4k/16k in two runs: non-causal -2 to +6%, causal -7 to -13%.
-_FWD_SM90 = {64: Sm90FwdTile(128, overlap=False), 128: Sm90FwdTile(128), 256: Sm90FwdTile(64)}
+# The producer keeps 40 registers at d64/d128: with 24 it spilled 2-4 times per K/V block it loads
+# (the tile's sequence extents and coordinates), which delays refilling the ring; their consumers
+# need far fewer than 232. At d256 the consumers need 240 (232: 16-136 bytes of spills).
+_FWD_SM90 = {
+    64: Sm90FwdTile(128, overlap=False, producer_registers=40),
+    128: Sm90FwdTile(128, producer_registers=40),
+    256: Sm90FwdTile(64),
+}
 
 
 def sm90_mma_widths() -> tuple[int, ...]:

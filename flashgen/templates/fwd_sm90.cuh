@@ -136,7 +136,7 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
 }
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_>
+          bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -154,6 +154,11 @@ struct Sm90FwdTraits {
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kNThreads = 384;
     static constexpr int kConsumerThreads = 256;
+    // Registers per thread after setmaxnreg (tiles.Sm90FwdTile): the producer warpgroup gives
+    // registers back to the pool the launch allocated, the two consumers take them.
+    static constexpr int kProducerRegs = kProducerRegs_, kConsumerRegs = kConsumerRegs_;
+    static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536 / kNThreads / 8 * 8 * kNThreads,
+                  "setmaxnreg: the warpgroups' registers exceed what the launch allocated");
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
     static constexpr int kPanelQBytes = kBlockM * 128;
     static constexpr int kPanelKVBytes = kBlockN * 128;
@@ -255,7 +260,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     if (warpgroup == 0) {
         // ---- Producer. Key blocks go from the last to the first (the causal diagonal first). The
         // K/V ring runs on across tiles (block `used` counts every block this CTA loaded).
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<Tr::kProducerRegs>();
         if (warp == 0 && lane == 0) {
             int used = 0, tile_count = 0;
             for (int slot = 0;; ++slot) {
@@ -317,7 +322,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     // ---- Consumers: warpgroup c (0 or 1) owns rows 64 c .. 64 c + 63 of the block; thread (warp w
     // of the warpgroup, lane) holds rows 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
     // of each n8 slab of S and O (the wgmma accumulator layout).
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<Tr::kConsumerRegs>();
     int const consumer = warpgroup - 1;
     int const row_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
     float const scale_log2 = params.scale_log2;
