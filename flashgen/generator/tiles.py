@@ -124,6 +124,9 @@ class Sm90FwdTile:
     # Registers per thread after setmaxnreg: the producer warpgroup's, and each consumer's, which
     # take the rest of the 168 x 384 the launch allocates (168: the cap for 384 threads, 1 CTA).
     producer_registers: int = 24
+    # Serves calls with a head dim below the instance's too (the TMA zero-fills the extra columns;
+    # the epilogue stores the call's): a column check whose registers the d256 consumers lack.
+    narrower_calls: bool = True
     block_m: int = SM90_BLOCK_M
     num_warps: int = 12
 
@@ -155,8 +158,9 @@ class Sm90FwdTile:
 # registers / 384 threads, rounded down to the allocation granule of 8.
 SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 
-# (head_dim) -> sm90 forward tile: 128-key blocks (FlashAttention-3's causal d128 choice); d256
-# takes 64-key blocks so that two stages fit in 227 KB. Issuing block j's P·V with block j + 1's
+# (head_dim) -> sm90 forward tile: 128-key blocks (FlashAttention-3's causal d128 choice); d192
+# takes 96 (with 112 two stages fit too, but the consumers spill in the block loop under softcap)
+# and d256 64, so that two stages fit in 227 KB. Issuing block j's P·V with block j + 1's
 # Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
 # 612 / 575) but not at d64 (376 / 401). Measured again with the softmax really overlapping the
 # P·V (fwd_sm90.cuh), d64 bf16 s1k/4k/16k in two runs: non-causal -2 to +6%, causal -7 to -13%.
@@ -166,7 +170,8 @@ SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 _FWD_SM90 = {
     64: Sm90FwdTile(128, overlap=False, producer_registers=40),
     128: Sm90FwdTile(128, producer_registers=40),
-    256: Sm90FwdTile(64),
+    192: Sm90FwdTile(96),
+    256: Sm90FwdTile(64, narrower_calls=False),  # with the column check: 1-7 spills per block under local/softcap
 }
 
 

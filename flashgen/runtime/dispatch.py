@@ -61,14 +61,26 @@ def instance_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {HEAD_DIMS[-1]}, got {head_dim}")
 
 
+@functools.lru_cache(maxsize=None)
+def sm90_instance_head_dim(head_dim: int) -> int | None:
+    """The sm90 forward instance that serves ``head_dim``: its own, or the smallest of whole
+    64-column panels (matrix.SM90_FWD_HEAD_DIMS) that holds it where that tile serves narrower
+    calls (the TMA zero-fills the columns past the tensor's); None if there is none."""
+    for d in matrix.SM90_FWD_HEAD_DIMS:
+        if head_dim == d or (head_dim < d and fwd_tile("sm90", matrix.FAMILY_ARCHS["sm90"][0], d).narrower_calls):
+            return d
+        if head_dim < d:
+            return None
+    return None
+
+
 def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: int, paged: bool, decode: bool,
                 varlen: bool, dropout: bool) -> bool:
-    """Whether the sm90 forward has an instance for a call: a head dim of whole TMA panels
-    (matrix.SM90_FWD_HEAD_DIMS, exactly), any mask, softcap or not, dense or varlen, PackGQA when
-    the group divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads),
-    and none of the features it does not have yet (paged K/V, the decode tile and its split-KV,
-    dropout)."""
-    return (head_dim in matrix.SM90_FWD_HEAD_DIMS and mask in matrix.SM90_FWD_MASKS
+    """Whether the sm90 forward has an instance for a call: any head dim up to the largest instance's
+    (sm90_instance_head_dim), any mask, softcap or not, dense or varlen, PackGQA when the group
+    divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads), and none
+    of the features it does not have yet (paged K/V, the decode tile and its split-KV, dropout)."""
+    return (sm90_instance_head_dim(head_dim) is not None and mask in matrix.SM90_FWD_MASKS
             and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
             and not (paged or decode or dropout))
 
@@ -189,7 +201,8 @@ def plan_fwd(
         head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
         decode=decode, varlen=varlen, dropout=dropout,
     ):
-        sm90_tile = fwd_tile("sm90", arch, head_dim)
+        sm90_head_dim = sm90_instance_head_dim(head_dim)
+        sm90_tile = fwd_tile("sm90", arch, sm90_head_dim)
         # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
         # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
         # packed, a tile's rows are the (query, head) pairs of one KV head.
@@ -199,7 +212,7 @@ def plan_fwd(
         # The kernel counts rows, work units and each CTA's next unit in 32-bit ints; beyond them
         # (batch x heads x row blocks past 2^31, reachable with varlen) the sm80 grid serves.
         if seqlen_q * group + sm90_tile.block_m < 2**31 and units + device.num_sms < 2**31:
-            spec = KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap > 0, sm90_pack)
+            spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, sm90_pack)
             # Varlen: the units come from the longest sequence, and the lengths are on the device, so
             # a static schedule cannot balance them (a short sequence's units past its end are
             # empty): one CTA per unit, handed out by the hardware as CTAs finish.

@@ -135,6 +135,9 @@ def test_sanitize_fwd_seqlen_k_zero(mask):
     pytest.param(33, 1023, 4, 1, 128, CAUSAL, id="sm90-sq33-sk1023-mqa-d128-causal"),
     pytest.param(1023, 300, 4, 2, 128, LOCAL, id="sm90-sq1023-sk300-gqa-d128-local33_7"),
     pytest.param(300, 1023, 4, 4, 64, dict(LOCAL, softcap=5.0), id="sm90-sq300-sk1023-d64-local-softcap"),
+    # Head dims below the instance's: O stored for the call's columns only (d40 on d64, d160 on d192).
+    pytest.param(300, 257, 4, 2, 40, CAUSAL, id="sm90-sq300-sk257-gqa-d40-causal"),
+    pytest.param(257, 300, 2, 2, 160, NONE, id="sm90-sq257-sk300-d160"),
 ])
 def test_sanitize_fwd_sm90(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
     """Shapes for the sm90 forward's edges (on other GPUs they run the sm80 family); ALiBi slopes

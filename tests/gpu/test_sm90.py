@@ -13,6 +13,7 @@ import torch
 
 import flashgen
 from flashgen.runtime import interface
+from flashgen.runtime.dispatch import sm90_instance_head_dim
 from test_fwd import (  # noqa: F401 (_seed: autouse)
     DTYPE_NAMES, _seed, assert_feature_matters, call_poisoned, check_against_ref, make_qkv,
 )
@@ -49,13 +50,33 @@ def launched(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", SHAPES)
 def test_sm90_fwd(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    _check_sm90_against_sm80(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads,
+                             nheads_k)
+
+
+# Head dims below an instance's (multiples of 8): the next instance up (d64, d128 or d192; the d256
+# tile takes d256 alone), the TMA zero-filling the columns past the tensor's (a whole panel's worth
+# at d8), O stored for the call's columns only.
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("head_dim", [8, 40, 96, 136, 160], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [SHAPES[1], SHAPES[2]])
+def test_sm90_fwd_head_dim_below_the_instance(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q,
+                                              seqlen_k, nheads, nheads_k):
+    _check_sm90_against_sm80(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads,
+                             nheads_k)
+
+
+def _check_sm90_against_sm80(monkeypatch, launched, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads,
+                             nheads_k):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     mask = "causal" if causal else "none"
-    uri = f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'_causal' if causal else ''}_sm90a"
+    instance = sm90_instance_head_dim(head_dim)
+    uri = f"flash_fwd_sm90_hdim{instance}_{DTYPE_NAMES[dtype]}{'_causal' if causal else ''}_sm90a"
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, causal=causal)
     assert launched == [uri], f"the {mask} d{head_dim} call ran {launched}, not the sm90 family"
@@ -126,13 +147,18 @@ def test_sm90_features(monkeypatch, launched, dtype, head_dim, kwargs, mask, bat
 
 
 @pytest.mark.parametrize("head_dim, kwargs", [
-    pytest.param(96, {}, id="d96"), pytest.param(192, {"causal": True}, id="d192"),
+    pytest.param(96, {"num_splits": 3}, id="d96-split"),
+    pytest.param(192, {"causal": True, "num_splits": 2}, id="d192-causal-split"),
+    pytest.param(200, {"causal": True}, id="d200"),  # the d256 tile serves d256 alone
 ])
 def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
-    q, k, v = make_qkv(1, 128, 128, 4, 4, head_dim, torch.bfloat16)
+    # Split-KV (partials merged by the combine kernel) is not in the sm90 forward yet.
+    q, k, v = make_qkv(1, 128, 512, 4, 4, head_dim, torch.bfloat16)
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **kwargs)
+    split = kwargs.pop("num_splits", 1) > 1
     check_against_ref(out, lse, q, k, v, **kwargs)
-    assert len(launched) == 1 and launched[0].startswith("flash_fwd_sm80_"), launched
+    assert launched[0].startswith("flash_fwd_sm80_"), launched
+    assert launched[1:] == [] or (split and launched[1].startswith("flash_combine_")), launched
 
 
 def test_no_keys_takes_sm80(monkeypatch, launched):
