@@ -200,6 +200,9 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     # 65535 sequences of up to 64k rows x 128 heads, or PackGQA rows of an absurd max_seqlen_q).
     huge = dict(sm90=True, varlen=True, head_dim=64, nheads=128, nheads_k=128, batch=65535, seqlen_q=65536)
     assert plan(**huge).spec.family == "sm80" and plan(**dict(huge, batch=4096)).spec.family == "sm90"
+    # Varlen launches a CTA per unit, whose next unit (slot 1) is its own + the grid: under 2^31 too.
+    assert plan(**dict(huge, batch=32767)).spec.family == "sm80"  # 512 x 128 x 32767 units: 2^31 - 2^16
+    assert plan(**dict(huge, batch=32767, varlen=False)).spec.family == "sm90"
     packed = dict(sm90=True, nheads=8, nheads_k=1, pack_gqa=True, batch=1, seqlen_k=64)
     assert plan(**packed, seqlen_q=2**27).spec.family == "sm90"
     assert plan(**packed, seqlen_q=2**28).spec.family == "sm80"

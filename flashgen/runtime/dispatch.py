@@ -209,14 +209,14 @@ def plan_fwd(
         group = qhead_per_khead if sm90_pack else 1
         row_blocks = -(-seqlen_q * group // sm90_tile.block_m)
         units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if sm90_pack else nheads) * batch
-        # The kernel counts rows, work units and each CTA's next unit in 32-bit ints; beyond them
-        # (batch x heads x row blocks past 2^31, reachable with varlen) the sm80 grid serves.
-        if seqlen_q * group + sm90_tile.block_m < 2**31 and units + device.num_sms < 2**31:
+        # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
+        # static schedule cannot balance them (a short sequence's units past its end are empty):
+        # one CTA per unit, handed out by the hardware as CTAs finish.
+        ctas = units if varlen else min(units, device.num_sms)
+        # The kernel counts rows, work units and each CTA's next unit (its last + the grid) in
+        # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
+        if seqlen_q * group + sm90_tile.block_m < 2**31 and units + ctas < 2**31:
             spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, sm90_pack)
-            # Varlen: the units come from the longest sequence, and the lengths are on the device, so
-            # a static schedule cannot balance them (a short sequence's units past its end are
-            # empty): one CTA per unit, handed out by the hardware as CTAs finish.
-            ctas = units if varlen else min(units, device.num_sms)
             return FwdPlan(spec, sm90_tile, (ctas, 1, 1), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)

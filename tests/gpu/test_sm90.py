@@ -91,11 +91,13 @@ def _check_sm90_against_sm80(monkeypatch, launched, dtype, head_dim, causal, bat
     assert (out.float() - out80.float()).abs().max().item() <= bound
 
 
-def test_sm90_serves_strided_and_packed_inputs(monkeypatch, launched):
+@pytest.mark.parametrize("head_dim", [128, 96], ids=lambda d: f"d{d}")
+def test_sm90_serves_strided_and_packed_inputs(monkeypatch, launched, head_dim):
     # q, k, v as views into one packed (batch, seqlen, 3, heads, d) tensor: 16-byte strides, so the
-    # TMA reads them in place.
+    # TMA reads them in place. At d96 on the d128 instance, the zero fill past a row's 96 columns is
+    # all that keeps the next head's columns out of the box.
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    qkv = torch.randn(2, 257, 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    qkv = torch.randn(2, 257, 3, 4, head_dim, dtype=torch.bfloat16, device="cuda")
     out, lse = call_poisoned(flashgen.flash_attn_qkvpacked_func, qkv, causal=True)
     assert launched == ["flash_fwd_sm90_hdim128_bf16_causal_sm90a"]
     q, k, v = qkv.unbind(2)
@@ -116,7 +118,7 @@ FEATURES = [
 
 
 @pytest.mark.parametrize("kwargs, mask", FEATURES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [
     pytest.param(2, 300, 1023, 4, 2, id="sq300-sk1023-gqa2"), pytest.param(1, 1023, 300, 4, 4, id="sq1023-sk300"),
@@ -155,10 +157,10 @@ def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
     # Split-KV (partials merged by the combine kernel) is not in the sm90 forward yet.
     q, k, v = make_qkv(1, 128, 512, 4, 4, head_dim, torch.bfloat16)
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **kwargs)
-    split = kwargs.pop("num_splits", 1) > 1
-    check_against_ref(out, lse, q, k, v, **kwargs)
-    assert launched[0].startswith("flash_fwd_sm80_"), launched
-    assert launched[1:] == [] or (split and launched[1].startswith("flash_combine_")), launched
+    mask_kwargs = {key: val for key, val in kwargs.items() if key != "num_splits"}
+    check_against_ref(out, lse, q, k, v, **mask_kwargs)
+    assert len(launched) == (2 if "num_splits" in kwargs else 1), launched
+    assert launched[0].startswith("flash_fwd_sm80_") and all(u.startswith("flash_combine_") for u in launched[1:])
 
 
 def test_no_keys_takes_sm80(monkeypatch, launched):
@@ -174,11 +176,15 @@ def test_no_keys_takes_sm80(monkeypatch, launched):
 VARLEN_LENGTHS = {  # name -> (query lengths, key lengths): empty, one-row and multi-block sequences
     "ragged": ([113, 0, 1, 257, 64, 300], [200, 17, 1, 257, 1023, 129]),
     "longer-q": ([300, 129], [100, 5]),
+    # More work units than SMs (12 row blocks x 4 heads x 16 sequences), most of a short
+    # sequence's empty: varlen launches a CTA per unit.
+    "many-units": ([1500, 1, 700, 1024, 33, 1200, 0, 900, 1100, 257, 128, 129, 1400, 600, 300, 1023],
+                   [1400, 5, 700, 1100, 33, 1300, 9, 800, 1100, 257, 127, 400, 1500, 600, 299, 1023]),
 }
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("lengths", VARLEN_LENGTHS)
 def test_sm90_varlen(monkeypatch, launched, lengths, dtype, head_dim, mask):
@@ -193,6 +199,22 @@ def test_sm90_varlen(monkeypatch, launched, lengths, dtype, head_dim, mask):
     suffix = "" if mask == "none" else "_" + mask
     assert launched == [f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{suffix}_sm90a"], launched
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("head_dim", [40, 96], ids=lambda d: f"d{d}")
+def test_sm90_varlen_head_dim_below_the_instance(monkeypatch, launched, head_dim, pack_gqa):
+    # The TMA's zero fill past the call's columns, with the next sequence's rows in the box too
+    # (varlen) and with Q's 5-D box (PackGQA).
+    from test_varlen import check_sequences, ragged, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = VARLEN_LENGTHS["ragged"]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16)
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, pack_gqa=pack_gqa, causal=True)
+    instance = sm90_instance_head_dim(head_dim)
+    assert launched == [f"flash_fwd_sm90_hdim{instance}_bf16_causal{'_packgqa' if pack_gqa else ''}_sm90a"], launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
 
 
 def test_sm90_varlen_seqused_and_dense(monkeypatch, launched):
@@ -239,7 +261,7 @@ def test_sm90_varlen_ignores_nonfinite_rows_past_a_sequence(monkeypatch, launche
     pytest.param({"window_size": (33, 7)}, "local", id="local"),
     pytest.param({"alibi": True, "softcap": 5.0, "causal": True}, "causal", id="causal-softcap-alibi"),
 ])
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [
     pytest.param(2, 113, 1023, 8, 2, id="g4-sq113-sk1023"), pytest.param(1, 1023, 300, 16, 2, id="g8-sq1023-sk300"),
@@ -258,8 +280,8 @@ def test_sm90_packgqa(monkeypatch, launched, dtype, head_dim, kwargs, mask, batc
         kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, pack_gqa=True, **kwargs)
-    uri = (f"flash_fwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
-           f"{'_softcap' if kwargs.get('softcap') else ''}_packgqa_sm90a")
+    uri = (f"flash_fwd_sm90_hdim{sm90_instance_head_dim(head_dim)}_{DTYPE_NAMES[dtype]}"
+           f"{'' if mask == 'none' else '_' + mask}{'_softcap' if kwargs.get('softcap') else ''}_packgqa_sm90a")
     assert launched == [uri], launched
     checked = check_against_ref(out, lse, q, k, v, **kwargs)
     for feature in ("window_size", "softcap", "alibi_slopes"):  # a kernel that ignored one would fail
