@@ -208,6 +208,8 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     assert plan(**packed, seqlen_q=2**28).spec.family == "sm80"
     # Varlen (lengths on the device): one CTA per unit, not one per SM.
     assert plan(sm90=True, varlen=True, batch=8).grid == (4 * 16 * 8, 1, 1)  # 512 > 132 SMs
+    # ... unless every sequence is known to be the longest: then the persistent grid.
+    assert plan(sm90=True, varlen=True, varlen_uniform=True, batch=8).grid == (132, 1, 1)
     assert plan(sm90=True, softcap=30.0, causal=True).spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_softcap_sm90a"
     assert plan(sm90=True, nheads_k=4).spec.family == "sm90"  # GQA without packing
     packed = plan(sm90=True, nheads_k=4, pack_gqa=True, batch=1, seqlen_q=100, seqlen_k=100)

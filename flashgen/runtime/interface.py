@@ -441,6 +441,8 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=tuple(window_size),
         softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged,
         num_splits=num_splits, family=config.forced_family(), varlen=True, dropout=dropout_p > 0,
+        varlen_uniform=seqused_q is None and seqused_k is None and not paged
+        and total_q == batch * max_seqlen_q and capacity == batch * max_seqlen_k,
         sm90=not paged and info.capability[0] == 9 and tma.compatible(q, k, v),
     )
     validate.grid(plan)

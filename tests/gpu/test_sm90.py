@@ -180,6 +180,8 @@ VARLEN_LENGTHS = {  # name -> (query lengths, key lengths): empty, one-row and m
     # sequence's empty: varlen launches a CTA per unit.
     "many-units": ([1500, 1, 700, 1024, 33, 1200, 0, 900, 1100, 257, 128, 129, 1400, 600, 300, 1023],
                    [1400, 5, 700, 1100, 33, 1300, 9, 800, 1100, 257, 127, 400, 1500, 600, 299, 1023]),
+    # All of one length: the persistent grid (132 CTAs for 320 units, 192 under the causal mask).
+    "uniform": ([600] * 16, [700] * 16),
 }
 
 
