@@ -164,12 +164,13 @@ SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 # Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
 # 612 / 575) but not at d64 (376 / 401). Measured again with the softmax really overlapping the
 # P·V (fwd_sm90.cuh), d64 bf16 s1k/4k/16k in two runs: non-causal -2 to +6%, causal -7 to -13%.
-# The producer keeps 40 registers at d64/d128: with 24 it spilled 2-4 times per K/V block it loads
-# (the tile's sequence extents and coordinates), which delays refilling the ring; their consumers
-# need far fewer than 232. At d256 the consumers need 240 (232: 16-136 bytes of spills).
+# The producer keeps 24 registers everywhere. At d64/d128 it then reloads a value or two from the
+# stack per K/V block it loads, but 40 (consumers 232, same block-loop SASS) measured slower on the
+# H200: bf16 non-causal d64 5-7%, d128 2-3% (two same-process runs against cuDNN); at d256 the
+# consumers need 240 (232: 16-136 bytes of spills).
 _FWD_SM90 = {
-    64: Sm90FwdTile(128, overlap=False, producer_registers=40),
-    128: Sm90FwdTile(128, producer_registers=40),
+    64: Sm90FwdTile(128, overlap=False),
+    128: Sm90FwdTile(128),
     192: Sm90FwdTile(96),
     256: Sm90FwdTile(64, narrower_calls=False),  # with the column check: 1-7 spills per block under local/softcap
 }
