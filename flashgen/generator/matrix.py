@@ -19,7 +19,7 @@ FAMILY_ARCHS = {
 BASE_FAMILY = "sm80"
 # Head dims with an sm90 forward instance: whole 64-column TMA panels (fwd_sm90.cuh). A call with a
 # smaller head dim (a multiple of 8) runs the next one up: the TMA zero-fills the columns past the
-# tensor's, which add nothing to Q·Kᵀ and are not stored from O.
+# tensor's, which add nothing to Q·Kᵀ, and the kernel stores O into a padded buffer (run_fwd).
 SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)
 SM90_FWD_MASKS = ("none", "causal", "local")
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))

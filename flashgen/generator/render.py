@@ -79,7 +79,6 @@ def render_instance(spec: KernelSpec) -> str:
         return _env().get_template("fwd_sm90_instance.cu.j2").render(
             **attention, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
-            narrower_calls=_cpp_bool(tile.narrower_calls),
         )
     return _env().get_template("fwd_instance.cu.j2").render(
         **attention,

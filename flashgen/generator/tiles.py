@@ -124,9 +124,6 @@ class Sm90FwdTile:
     # Registers per thread after setmaxnreg: the producer warpgroup's, and each consumer's, which
     # take the rest of the 168 x 384 the launch allocates (168: the cap for 384 threads, 1 CTA).
     producer_registers: int = 24
-    # Serves calls with a head dim below the instance's too (the TMA zero-fills the extra columns;
-    # the epilogue stores the call's): a column check whose registers the d256 consumers lack.
-    narrower_calls: bool = True
     block_m: int = SM90_BLOCK_M
     num_warps: int = 12
 
@@ -172,7 +169,7 @@ _FWD_SM90 = {
     64: Sm90FwdTile(128, overlap=False),
     128: Sm90FwdTile(128),
     192: Sm90FwdTile(96),
-    256: Sm90FwdTile(64, narrower_calls=False),  # with the column check: 1-7 spills per block under local/softcap
+    256: Sm90FwdTile(64),
 }
 
 

@@ -63,15 +63,10 @@ def instance_head_dim(head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def sm90_instance_head_dim(head_dim: int) -> int | None:
-    """The sm90 forward instance that serves ``head_dim``: its own, or the smallest of whole
-    64-column panels (matrix.SM90_FWD_HEAD_DIMS) that holds it where that tile serves narrower
-    calls (the TMA zero-fills the columns past the tensor's); None if there is none."""
-    for d in matrix.SM90_FWD_HEAD_DIMS:
-        if head_dim == d or (head_dim < d and fwd_tile("sm90", matrix.FAMILY_ARCHS["sm90"][0], d).narrower_calls):
-            return d
-        if head_dim < d:
-            return None
-    return None
+    """The sm90 forward instance that serves ``head_dim``: the smallest in matrix.SM90_FWD_HEAD_DIMS
+    that holds it (the TMA zero-fills Q's, K's and V's columns past the call's, and run_fwd gives
+    the kernel an O padded to the instance's); None above the largest."""
+    return next((d for d in matrix.SM90_FWD_HEAD_DIMS if head_dim <= d), None)
 
 
 def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: int, paged: bool, decode: bool,

@@ -214,13 +214,21 @@ def run_fwd(
             lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
     else:
         oaccum = lseaccum = None
+    # An sm90 instance wider than the call (a head dim between two instances) stores all of its
+    # columns: into a padded O (zeroed where the kernel writes no rows: past seqused_q), whose
+    # call's columns are copied out after the launch.
+    padded_out = None
+    if plan.spec.head_dim > head_dim and plan.spec.family == "sm90":
+        alloc = torch.empty if seqused_q is None else torch.zeros
+        padded_out = alloc((*out.shape[:-1], plan.spec.head_dim), dtype=out.dtype, device=out.device)
+    o_tensor = out if padded_out is None else padded_out
     packed = params_mod.pack_fwd_values(
-        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=out.data_ptr(),
+        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=o_tensor.data_ptr(),
         lse_ptr=lse.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes), seqused_k_ptr=_ptr(seqused_k),
         leftpad_k_ptr=_ptr(leftpad_k), kv_batch_idx_ptr=_ptr(kv_batch_idx), block_table_ptr=_ptr(block_table),
         oaccum_ptr=_ptr(oaccum), lseaccum_ptr=_ptr(lseaccum), cu_seqlens_q_ptr=_ptr(cu_seqlens_q),
         cu_seqlens_k_ptr=_ptr(cu_seqlens_k), seqused_q_ptr=_ptr(seqused_q),
-        q_strides=_rows3(q), k_strides=_rows3(k), v_strides=_rows3(v), o_strides=_rows3(out),
+        q_strides=_rows3(q), k_strides=_rows3(k), v_strides=_rows3(v), o_strides=_rows3(o_tensor),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
         lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[2], partial_rows=partial_rows,
@@ -242,6 +250,8 @@ def run_fwd(
         group = nheads // nheads_k if plan.spec.pack_gqa else 1
         packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
+    if padded_out is not None:
+        out.copy_(padded_out[..., :head_dim])
     if splits > 1:
         # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine
         # sees a varlen call as one sequence of total_q rows.

@@ -136,14 +136,11 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
 }
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_, bool kNarrowerCalls_>
+          bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
     static constexpr int kHeadDim = kHeadDim_;
-    // Also serves calls whose head dim is below kHeadDim (and above kHeadDim - 64): the TMA
-    // zero-fills Q's, K's and V's columns past the tensors', and O is stored for the call's columns.
-    static constexpr bool kNarrowerCalls = kNarrowerCalls_;
     static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
@@ -603,15 +600,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                            head * params.o_head_stride + pos * params.o_row_stride;
                 float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
                                  head * params.lse_head_stride + pos;
-                // A call's head dim below the instance's (kNarrowerCalls; a multiple of 8, above
-                // kHeadDim - 64): its columns only, checked in the last panel; the rest of O came
-                // from the TMA's zero fill of V.
+                // All kHeadDim columns: a call with fewer gets an O padded to kHeadDim (run_fwd);
+                // the TMA's zero fill of Q, K, V past its columns makes the extra ones zero.
 #pragma unroll
                 for (int i = 0; i < kHeadDim / 8; ++i) {
-                    if (!Tr::kNarrowerCalls || i * 8 < kHeadDim - 64 || i * 8 < params.head_dim) {
-                        *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
-                            Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
-                    }
+                    *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
+                        Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
                 }
                 if (lane % 4 == 0) {
                     *lse_out = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
