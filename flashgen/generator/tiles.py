@@ -156,17 +156,18 @@ class Sm90FwdTile:
 SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 
 # (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice;
-# 160 and 176 measured 1-11% slower non-causal); d64 takes 256 (H200, bf16 non-causal s1k/4k/16k,
-# two runs: 7%, 12-19%, 14% faster than 128; 192 slower, 5% at s4k), d192 96 (with 112 two stages
-# fit too, but the consumers spill in the block loop under softcap) and d256 64, so that two stages
-# fit in 227 KB. Issuing block j's P·V with block j + 1's
+# 160 and 176 measured 1-11% slower non-causal); d64 takes 256 (H200, bf16 s1k/4k/16k against 128,
+# two same-process runs: non-causal +7%, +12%, +13%; causal -6%, +6%, +9%; 192 slower; 3 stages
+# measured +0-5% more non-causal but not yet run through the GPU tests), d192 96 (with 112 two
+# stages fit too, but the consumers spill in the block loop under softcap) and d256 64, so that two
+# stages fit in 227 KB. Issuing block j's P·V with block j + 1's
 # Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
 # 612 / 575) but not at d64 (376 / 401). Measured again with the softmax really overlapping the
 # P·V (fwd_sm90.cuh), d64 bf16 s1k/4k/16k in two runs: non-causal -2 to +6%, causal -7 to -13%.
 # The producer keeps 24 registers everywhere. At d64/d128 it then reloads a value or two from the
 # stack per K/V block it loads, but 40 (consumers 232, same block-loop SASS) measured slower on the
-# H200: bf16 non-causal d64 5-7%, d128 2-3% (two same-process runs against cuDNN); at d256 the
-# consumers need 240 (232: 16-136 bytes of spills).
+# H200: bf16 non-causal s4k/16k d64 8-10%, d128 5-7%, causal the same (two same-process runs); at
+# d256 the consumers need 240 (232: 16-136 bytes of spills).
 _FWD_SM90 = {
     64: Sm90FwdTile(256, overlap=False),
     128: Sm90FwdTile(128),

@@ -23,11 +23,11 @@
 // in shared memory (clear_v_tail) so that P = 0 times them stays 0.
 //
 // Masks (causal, local), softcap and ALiBi come from common.cuh and the sequences' rows (varlen,
-// seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide 128. Not yet
-// here (the sm80 family serves those calls): paged K/V, split-KV, dropout, head dims other than
-// 64/128/256; and of
-// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers and O
-// stored through shared memory by the TMA.
+// seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide 128; head dims
+// 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Not yet
+// here (the sm80 family serves those calls): paged K/V, split-KV, dropout; and of
+// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
+// branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
