@@ -209,8 +209,8 @@ def plan_fwd(
         # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
         # static schedule cannot balance them (a short sequence's units past its end are empty):
         # one CTA per unit, handed out by the hardware as CTAs finish. Sequences all of one length
-        # keep the persistent grid, whose K/V loads run ahead into the next unit (H200, bf16 16 x
-        # 1024: 6-11% faster than one CTA per unit; 16 ragged d256 causal: 0.61x of it).
+        # keep the persistent grid, whose K/V loads run ahead into the next unit (H200, bf16: 16 x
+        # 1024 tokens 6-11% faster than one CTA per unit; 16 ragged d256 causal 0.61x of it).
         ctas = units if varlen and not varlen_uniform else min(units, device.num_sms)
         # The kernel counts rows, work units and each CTA's next unit (its last + the grid) in
         # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
