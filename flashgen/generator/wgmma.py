@@ -27,8 +27,9 @@ def _wrapper(n: int, a_from_registers: bool) -> str:
     else:
         kind, a_param = "ss", "uint64_t desc_a"
         a_operand, b_operand, predicate, trans_b = f"%{regs}", f"%{regs + 1}", f"%{regs + 2}", f"%{regs + 3}"
-        immediates = f"p, 1, 1, 0, {trans_b}"  # ... imm-trans-a (A is K-major), imm-trans-b
-        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB)'
+        trans_a = f"%{regs + 4}"
+        immediates = f"p, 1, 1, {trans_a}, {trans_b}"  # ... imm-trans-a, imm-trans-b
+        inputs = '"l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA)'
     bodies = []
     for ptx_type in ("bf16", "f16"):
         bodies.append(
@@ -38,8 +39,9 @@ def _wrapper(n: int, a_from_registers: bool) -> str:
             f"          : {constraints}\n"
             f"          : {inputs});"
         )
+    template_params = "typename Element, int kTransB" + (", int kTransA" if not a_from_registers else "")
     return (
-        f"template <typename Element, int kTransB>\n"
+        f"template <{template_params}>\n"
         f"__device__ __forceinline__ void wgmma_{kind}_m64n{n}k16(float (&d)[{regs}], {a_param}, uint64_t desc_b,\n"
         f"                                                     int accumulate) {{\n"
         f"    if constexpr (Element::kIsBf16) {{\n{bodies[0]}\n    }} else {{\n{bodies[1]}\n    }}\n}}\n"
@@ -47,14 +49,17 @@ def _wrapper(n: int, a_from_registers: bool) -> str:
 
 
 def _dispatcher(kind: str, a_param: str, a_arg: str) -> str:
-    """wgmma_{kind}<Element, N, kTransB>: the m64nNk16 wrapper for a compile-time N."""
+    """wgmma_{kind}<Element, N, kTransB[, kTransA]>: the m64nNk16 wrapper for a compile-time N. A
+    from shared memory may be MN-major (kTransA 1: the backward's dS as dQ = dS·K's A)."""
+    trans = "kTransB, kTransA" if kind == "ss" else "kTransB"
     branches = "\n".join(
-        f"    {'if' if i == 0 else 'else if'} constexpr (N == {n}) wgmma_{kind}_m64n{n}k16<Element, kTransB>(d, {a_arg}, desc_b, accumulate);"
+        f"    {'if' if i == 0 else 'else if'} constexpr (N == {n}) wgmma_{kind}_m64n{n}k16<Element, {trans}>(d, {a_arg}, desc_b, accumulate);"
         for i, n in enumerate(N_TILES)
     )
     allowed = " || ".join(f"N == {n}" for n in N_TILES)
+    template_params = "typename Element, int N, int kTransB" + (", int kTransA = 0" if kind == "ss" else "")
     return (
-        f"template <typename Element, int N, int kTransB>\n"
+        f"template <{template_params}>\n"
         f"__device__ __forceinline__ void wgmma_{kind}(float (&d)[N / 2], {a_param}, uint64_t desc_b, int accumulate) {{\n"
         f"    static_assert({allowed}, \"no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)\");\n"
         f"{branches}\n}}\n"
@@ -67,7 +72,7 @@ def render_wgmma_header(do_not_edit: str) -> str:
     return f"""// {do_not_edit}
 // Rendered by flashgen/generator/wgmma.py: D[64 x N] (+)= A · B with f32 accumulators (d), A from
 // shared memory (wgmma_ss: desc_a) or registers (wgmma_rs: a, the m64k16 fragment), B from shared
-// memory (desc_b; kTransB 1: MN-major). accumulate 0 overwrites D. Element: half_t or bfloat16_t.
+// memory (desc_b; kTransB 1: MN-major; kTransA 1: A from shared memory MN-major). accumulate 0 overwrites D. Element: half_t or bfloat16_t.
 #pragma once
 #include "common.cuh"
 

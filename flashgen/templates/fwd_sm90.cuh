@@ -32,15 +32,10 @@
 #include "common.cuh"
 #include "flash_params.cuh"
 #include "seq_extent.cuh"
+#include "sm90_common.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
 
 namespace flashgen {
-
-// cuda.h's CUtensorMap: 128 opaque bytes, 64-byte aligned, encoded on the host
-// (cuTensorMapEncodeTiled) and passed inside the __grid_constant__ parameter.
-struct alignas(64) TmaDescriptor {
-    unsigned long long opaque[16];
-};
 
 // The sm90 forward's one parameter: three tensor maps (Q, K, V as (d, rows, heads, batch); Q
 // packed as (d, heads of a group, rows, KV heads, batch)) and the FwdParams every forward takes.
@@ -50,90 +45,6 @@ struct Sm90FwdParams {
     TmaDescriptor tma_v;
     FwdParams p;
 };
-
-// ---- mbarriers (shared::cta, 8 bytes each)
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arrives once and expects `bytes` more to land by TMA before the phase completes.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    }
-}
-
-// ---- TMA: a 4-D box (columns, rows, head, batch) of a tensor map into shared memory, completing
-// (transaction bytes) on an mbarrier.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
-                                            int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
-        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
-
-// The same for a 5-D box (PackGQA's Q: columns, heads of the group, rows, KV head, batch). Not one
-// 5-D load for every map: its extra coordinate register made the d256 producer (24 registers)
-// spill in its per-block loop (NVRTC 13.0, local and softcap instances).
-__device__ __forceinline__ void tma_load_5d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
-                                            int c2, int c3, int c4) {
-    asm volatile(
-        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
-        ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-        : "memory");
-}
-
-// ---- Registers moved between warpgroups (the kernel has a register cap: __launch_bounds__(n, 1)).
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-
-// ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all wait here.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// ---- wgmma: fence before an MMA batch that reads registers written since, commit a batch,
-// wait until at most N batches are in flight.
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of accumulator registers across the asynchronous
-// MMAs that use them (they are operands of the wgmma asm only while it is issued).
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// Shared-memory matrix descriptor with the 128-byte swizzle: start address, leading- and
-// stride-dimension byte offsets (PTX ISA, "Matrix Descriptor Format"). K-major operands (Q, K):
-// rows of 64 elements at 128 bytes, 8-row atoms `sbo` apart; the leading offset is unused.
-// MN-major (V as P·V's B): 64 columns per row of 128 bytes, 8-row atoms `sbo` apart along K,
-// 64-column panels `lbo` apart along N.
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t((lbo >> 4) & 0x3fff) << 16) |
-           (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
-}
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
           bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_>
