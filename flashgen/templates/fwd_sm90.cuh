@@ -48,7 +48,7 @@ struct Sm90FwdParams {
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
           bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_>
-struct Sm90FwdTraits {
+struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
     static constexpr int kHeadDim = kHeadDim_;
@@ -63,13 +63,6 @@ struct Sm90FwdTraits {
     static constexpr bool kPackGQA = kPackGQA_;
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
-    static constexpr int kNThreads = 384;
-    static constexpr int kConsumerThreads = 256;
-    // Registers per thread after setmaxnreg (tiles.Sm90FwdTile): the producer warpgroup gives
-    // registers back to the pool the launch allocated, the two consumers take them.
-    static constexpr int kProducerRegs = kProducerRegs_, kConsumerRegs = kConsumerRegs_;
-    static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536 / kNThreads / 8 * 8 * kNThreads,
-                  "setmaxnreg: the warpgroups' registers exceed what the launch allocated");
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
     static constexpr int kPanelQBytes = kBlockM * 128;
     static constexpr int kPanelKVBytes = kBlockN * 128;

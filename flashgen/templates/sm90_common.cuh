@@ -11,6 +11,19 @@ struct alignas(64) TmaDescriptor {
     unsigned long long opaque[16];
 };
 
+// The CTA of both sm90 kernels: three warpgroups, a producer (warpgroup 0) and two consumers, and
+// the registers per thread each keeps after setmaxnreg (tiles.Sm90FwdTile / Sm90BwdTile): the
+// producer gives registers back to the pool the launch allocated (__launch_bounds__(384, 1)), the
+// consumers take them.
+template <int kProducerRegs_, int kConsumerRegs_>
+struct Sm90Warpgroups {
+    static constexpr int kNThreads = 384;
+    static constexpr int kConsumerThreads = 256;
+    static constexpr int kProducerRegs = kProducerRegs_, kConsumerRegs = kConsumerRegs_;
+    static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536 / kNThreads / 8 * 8 * kNThreads,
+                  "setmaxnreg: the warpgroups' registers exceed what the launch allocated");
+};
+
 // ---- mbarriers (shared::cta, 8 bytes each)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
