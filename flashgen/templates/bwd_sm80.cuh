@@ -26,6 +26,7 @@
 #include "common.cuh"
 #include "flash_params.cuh"
 #include "fwd_sm80.cuh"
+#include "seq_extent.cuh"
 
 namespace flashgen {
 
@@ -271,24 +272,9 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const bidb = blockIdx.z;
     int const head_dim = params.head_dim;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset,
-    // k_offset + seqlen_k) of k/v/dk/dv. Offsets and lengths are clamped to the tensors, and the
-    // query length to max_seqlen_q (the semaphores hold that many query blocks).
-    const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
-    const int* cu_seqlens_k = reinterpret_cast<const int*>(params.cu_seqlens_k_ptr);
-    const int* seqused_q = reinterpret_cast<const int*>(params.seqused_q_ptr);
-    const int* seqused_k = reinterpret_cast<const int*>(params.seqused_k_ptr);
-    int q_offset = 0, k_offset = 0, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
-    if (cu_seqlens_q != nullptr) {
-        q_offset = min(max(cu_seqlens_q[bidb], 0), params.seqlen_q);
-        seqlen_q = min(max(cu_seqlens_q[bidb + 1] - q_offset, 0), params.seqlen_q - q_offset);
-    }
-    if (cu_seqlens_k != nullptr) {
-        k_offset = min(max(cu_seqlens_k[bidb], 0), params.seqlen_k);
-        seqlen_k = min(max(cu_seqlens_k[bidb + 1] - k_offset, 0), params.seqlen_k - k_offset);
-    }
-    if (seqused_q != nullptr) seqlen_q = min(max(seqused_q[bidb], 0), seqlen_q);
-    if (seqused_k != nullptr) seqlen_k = min(max(seqused_k[bidb], 0), seqlen_k);
-    seqlen_q = min(seqlen_q, params.max_seqlen_q);
+    // k_offset + seqlen_k) of k/v/dk/dv (seq_extent.cuh).
+    BwdExtent const seq = bwd_extent</*kSeqused=*/true>(params, bidb);
+    int const q_offset = seq.q_offset, k_offset = seq.k_offset, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;
     int const diag = seqlen_k - seqlen_q;
     int const qhpk = params.nheads / params.nheads_k;

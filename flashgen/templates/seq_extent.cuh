@@ -1,6 +1,7 @@
-// The rows of one batch element, shared by the forward families: varlen offsets (cu_seqlens),
-// rows in use (seqused), the KV cache's left pad and batch index. Values come from the caller's
-// tensors, so they are clamped to the tensors here rather than trusted.
+// The rows of one batch element, for the forward families (seq_extent) and the backward families
+// (bwd_extent): varlen offsets (cu_seqlens), rows in use (seqused), the KV cache's left pad and
+// batch index. Values come from the caller's tensors, so they are clamped to the tensors here
+// rather than trusted.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -50,6 +51,34 @@ __device__ __forceinline__ SeqExtent seq_extent(const FwdParams& params, int bid
     bool const kv_b_valid = kPaged || (e.kv_b >= 0 && e.kv_b < params.kv_batch);
     e.k_offset = leftpad;
     e.seqlen_k = kv_b_valid ? max(min(used, params.seqlen_k) - leftpad, 0) : 0;
+    return e;
+}
+
+// The backward's rows of sequence bidb: varlen rows [q_offset, q_offset + seqlen_q) of q/dO and
+// [k_offset, k_offset + seqlen_k) of k/v/dk/dv (offsets and lengths clamped to the tensors), rows in
+// use (seqused, kSeqused: the sm90 backward does not take it), the query length clamped to
+// max_seqlen_q (the semaphores hold that many blocks).
+struct BwdExtent {
+    int q_offset, seqlen_q, k_offset, seqlen_k;
+};
+template <bool kSeqused>
+__device__ __forceinline__ BwdExtent bwd_extent(const BwdParams& params, int bidb) {
+    const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
+    const int* cu_seqlens_k = reinterpret_cast<const int*>(params.cu_seqlens_k_ptr);
+    const int* seqused_q = reinterpret_cast<const int*>(params.seqused_q_ptr);
+    const int* seqused_k = reinterpret_cast<const int*>(params.seqused_k_ptr);
+    BwdExtent e{0, params.seqlen_q, 0, params.seqlen_k};
+    if (cu_seqlens_q != nullptr) {
+        e.q_offset = min(max(cu_seqlens_q[bidb], 0), params.seqlen_q);
+        e.seqlen_q = min(max(cu_seqlens_q[bidb + 1] - e.q_offset, 0), params.seqlen_q - e.q_offset);
+    }
+    if (cu_seqlens_k != nullptr) {
+        e.k_offset = min(max(cu_seqlens_k[bidb], 0), params.seqlen_k);
+        e.seqlen_k = min(max(cu_seqlens_k[bidb + 1] - e.k_offset, 0), params.seqlen_k - e.k_offset);
+    }
+    if (kSeqused && seqused_q != nullptr) e.seqlen_q = min(max(seqused_q[bidb], 0), e.seqlen_q);
+    if (kSeqused && seqused_k != nullptr) e.seqlen_k = min(max(seqused_k[bidb], 0), e.seqlen_k);
+    e.seqlen_q = min(e.seqlen_q, params.max_seqlen_q);
     return e;
 }
 
