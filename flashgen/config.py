@@ -62,8 +62,8 @@ def cuda_home() -> Path | None:
 
 def forced_family() -> str | None:
     """FLASHGEN_FAMILY (testing and comparison): sm80 runs every kernel in the sm80 family, also on
-    Hopper; sm90 asks for the sm90 forward where it has an instance (the default on sm_90a), the
-    sm80 family elsewhere. Unset: the choice made for the device and the call."""
+    Hopper; sm90 asks for the sm90 forward and backward where they have an instance (the default on
+    sm_90a), the sm80 family elsewhere. Unset: the choice made for the device and the call."""
     family = _env("FLASHGEN_FAMILY")
     if family is not None and family not in FAMILIES:
         raise ValueError(f"FLASHGEN_FAMILY must be one of {FAMILIES}, got {family!r}")

@@ -286,12 +286,57 @@ def test_sm90_wgmma_wrappers_cover_the_tiles():
                 assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in header
 
 
-def test_bwd_plan_keeps_the_base_family_when_sm90_is_forced():
+def _plan_bwd(**overrides):
     from flashgen.runtime.backward import plan_bwd
 
-    chosen = plan_bwd(dtype="bf16", head_dim=128, batch=1, seqlen_q=256, seqlen_k=256, nheads_k=4, causal=False,
-                      window_size=(-1, -1), softcap=0.0, device=(9, 0), family="sm90")
-    assert chosen.spec.family == "sm80"
+    kwargs = dict(dtype="bf16", head_dim=128, batch=2, seqlen_q=300, seqlen_k=1000, nheads_k=4, causal=False,
+                  window_size=(-1, -1), softcap=0.0, device=(9, 0))
+    return plan_bwd(**{**kwargs, **overrides})
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal, window_size, mask", [(False, (-1, -1), "none"), (True, (-1, -1), "causal"),
+                                                       (False, (16, 4), "local")])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, causal, window_size, mask, softcap):
+    from flashgen.generator import tiles
+
+    chosen = _plan_bwd(head_dim=head_dim, causal=causal, window_size=window_size, softcap=softcap, sm90=True)
+    assert (chosen.spec.family, chosen.spec.arch, chosen.spec.mask, chosen.spec.softcap) == (
+        "sm90", "sm_90a", mask, softcap > 0)
+    assert is_in_matrix(chosen.spec) and chosen.tile == tiles.bwd_tile("sm90", "sm_90a", head_dim)
+    # One CTA per 128 keys, per KV head and batch; 384 threads; within the target's shared memory.
+    assert chosen.grid == (8, 4, 2) and chosen.tile.num_threads == 384
+    assert chosen.smem_bytes == chosen.tile.smem_bytes(head_dim) <= tiles.smem_limit("sm_90a")
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(sm90=False),                    # inputs the TMA cannot read, varlen or deterministic (flash_bwd)
+    dict(sm90=True, family="sm80"),      # the sm80 family forced
+    dict(sm90=True, head_dim=96),        # no sm90 backward instance
+    dict(sm90=True, head_dim=256),
+    dict(sm90=True, dropout=True),       # no dropout in the sm90 backward
+    dict(sm90=True, device=(8, 0)),      # not Hopper
+])
+def test_sm90_backward_leaves_the_rest_to_sm80(overrides):
+    chosen = _plan_bwd(**overrides)
+    assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec)
+
+
+def test_sm90_backward_tiles_and_widths():
+    from flashgen.generator import matrix, tiles
+
+    for head_dim in matrix.SM90_BWD_HEAD_DIMS:
+        tile = tiles.bwd_tile("sm90", "sm_90a", head_dim)
+        # Sm90BwdTraits' asserts: two consumers of 64 keys; each dQ share whole 64-column panels.
+        assert tile.block_n == 128 and tile.block_m in (64, 128) and tile.dq_mma_width(head_dim) % 64 == 0
+        assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
+        # Every wgmma N the kernel issues has a rendered wrapper.
+        assert {tile.block_m, head_dim, tile.dq_mma_width(head_dim)} <= set(tiles.sm90_mma_widths())
+    with pytest.raises(ValueError, match="sm90 family has no backward tile"):
+        tiles.bwd_tile("sm90", "sm_90a", 96)
+    with pytest.raises(ValueError, match="dQ"):
+        tiles.Sm90BwdTile(96)
 
 
 def test_tma_compatible_inputs():
@@ -311,10 +356,10 @@ def test_tma_compatible_inputs():
     assert tma.compatible(q[:1], q[:, :1].expand(-1, 1, -1, -1))                # stride 0 over one row: never stepped
 
 
-def test_sm90_params_memoize_the_three_maps(monkeypatch):
-    # No GPU here: the encoder is replaced by one that names the tensor and box it was asked for.
-    import torch
-
+@pytest.fixture
+def encoded_maps(monkeypatch):
+    """No GPU here: the tensor-map encoder is replaced by one that records the tensor and box it was
+    asked for and returns bytes numbered by call; the memo caches start empty."""
     from flashgen.runtime import tma
 
     calls = []
@@ -324,8 +369,17 @@ def test_sm90_params_memoize_the_three_maps(monkeypatch):
         return bytes([len(calls)]) * tma.TMA_MAP_BYTES
 
     monkeypatch.setattr(tma, "_encode", fake_encode)
-    monkeypatch.setattr(tma, "_maps", type(tma._maps)())
-    monkeypatch.setattr(tma, "_triples", type(tma._triples)())
+    for cache in ("_maps", "_triples", "_quads"):
+        monkeypatch.setattr(tma, cache, type(getattr(tma, cache))())
+    return calls
+
+
+def test_sm90_params_memoize_the_three_maps(encoded_maps):
+    import torch
+
+    from flashgen.runtime import tma
+
+    calls = encoded_maps
     q, k, v = (torch.empty(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     fwd = bytes(range(100))
     blob = tma.sm90_fwd_params(q, k, v, 128, 64, fwd)
@@ -337,6 +391,23 @@ def test_sm90_params_memoize_the_three_maps(monkeypatch):
     assert len(calls) == 3
     tma.sm90_fwd_params(q, k, v[:, :32], 128, 64, fwd)  # another V geometry: one new map
     assert calls[3:] == [(v.data_ptr(), 64)]
+
+
+def test_sm90_bwd_params_memoize_the_five_maps(encoded_maps):
+    import torch
+
+    from flashgen.runtime import tma
+
+    calls = encoded_maps
+    q, k, v, dout = (torch.empty(2, 64, 4, 128, dtype=torch.bfloat16) for _ in range(4))
+    dq_accum = torch.empty(2, 4, 64, 128, dtype=torch.float32)  # (batch, heads, rows, d)
+    bwd = bytes(range(1, 101))
+    blob = tma.sm90_bwd_params(q, k, v, dout, dq_accum, 64, 128, bwd)
+    assert calls == [(q.data_ptr(), 64), (k.data_ptr(), 128), (v.data_ptr(), 128), (dout.data_ptr(), 64),
+                     (dq_accum.data_ptr(), 64)]
+    assert blob[:640] == b"".join(bytes([i]) * 128 for i in (1, 2, 3, 4, 5))
+    assert blob[640:740] == bwd and len(blob) % 64 == 0 and not any(blob[740:])
+    assert tma.sm90_bwd_params(q, k, v, dout, dq_accum, 64, 128, bwd) == blob and len(calls) == 5  # memoized
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -377,3 +448,10 @@ def test_tma_map_geometry(monkeypatch, group):
             5, [64, 4, 13, 2, 2], [head, row, 4 * head, batch], [64, 4, 32, 1, 1])
     with pytest.raises(ValueError, match="group"):
         tma._encode(q, 128, 3)  # 3 divides neither 8 heads nor 128 rows
+    if group == 1:
+        # The backward's fp32 dQ buffer (batch, heads, rows, d) seen as (batch, rows, heads, d):
+        # boxes of 128 bytes = 32 columns.
+        dq_accum = torch.empty(2, 8, 13, 128, dtype=torch.float32)
+        tma._encode(dq_accum.permute(0, 2, 1, 3), 64)
+        assert (seen["rank"], seen["dims"], seen["strides"], seen["box"]) == (
+            4, [128, 13, 8, 2], [128 * 4, 13 * 128 * 4, 8 * 13 * 128 * 4], [32, 64, 1, 1])

@@ -22,6 +22,7 @@ BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dro
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 # The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
 SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2
+SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
 
 
 def test_uris_unique_and_readable():
@@ -65,17 +66,22 @@ def test_spec_round_trips_and_rejects_bad_fields():
 
 
 def test_matrix_counts():
-    assert len(matrix.all_specs()) == PER_ARCH * len(matrix.ALL_ARCHS) + SM90_FWD
+    assert len(matrix.all_specs()) == PER_ARCH * len(matrix.ALL_ARCHS) + SM90_FWD + SM90_BWD
     for arch in matrix.ALL_ARCHS:
         specs = matrix.all_specs(archs=[arch])
-        assert len(specs) == PER_ARCH + (SM90_FWD if arch == "sm_90a" else 0)
+        assert len(specs) == PER_ARCH + (SM90_FWD + SM90_BWD if arch == "sm_90a" else 0)
         assert {s.arch for s in specs} == {arch}
     assert len(matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])) == 2 * FWD_PER_ARCH + SM90_FWD
     sm90 = [s for s in matrix.all_specs() if s.family == "sm90"]
-    assert len(sm90) == SM90_FWD
-    assert all(s.direction == "fwd" and s.arch == "sm_90a" and s.head_dim in matrix.SM90_FWD_HEAD_DIMS
-               and not (s.paged or s.decode or s.dropout) for s in sm90)
-    assert {(s.mask, s.softcap) for s in sm90} == {(m, c) for m in MASKS for c in (False, True)}
+    assert len(sm90) == SM90_FWD + SM90_BWD
+    sm90_fwd = [s for s in sm90 if s.direction == "fwd"]
+    sm90_bwd = [s for s in sm90 if s.direction == "bwd"]
+    assert len(sm90_fwd) == SM90_FWD and len(sm90_bwd) == SM90_BWD
+    assert all(s.arch == "sm_90a" and not (s.paged or s.decode or s.dropout) for s in sm90)
+    assert all(s.head_dim in matrix.SM90_FWD_HEAD_DIMS for s in sm90_fwd)
+    assert all(s.head_dim in matrix.SM90_BWD_HEAD_DIMS and not s.pack_gqa for s in sm90_bwd)
+    for specs in (sm90_fwd, sm90_bwd):
+        assert {(s.mask, s.softcap) for s in specs} == {(m, c) for m in MASKS for c in (False, True)}
     assert matrix.all_specs(directions=["varlen"]) == []
     assert matrix.all_specs() == sorted(matrix.all_specs())
 
@@ -84,8 +90,9 @@ def test_every_spec_is_in_matrix_and_its_family_matches():
     for spec in matrix.all_specs():
         assert matrix.is_in_matrix(spec)
         assert spec.family in matrix.families(spec.arch)
-        # Only the forward has a second family; every other kernel is the base family's.
-        assert spec.family == matrix.family_for(spec.arch) or spec.direction == "fwd"
+        # Only the forward and the backward's main kernel have a second family; every other kernel
+        # is the base family's.
+        assert spec.family == matrix.family_for(spec.arch) or spec.direction in ("fwd", "bwd")
     assert matrix.families("sm_90a") == ("sm80", "sm90") and matrix.families("sm_86") == ("sm80",)
     with pytest.raises(ValueError, match="sm_75"):
         matrix.family_for("sm_75")
@@ -111,12 +118,13 @@ def test_every_capability_maps_into_the_matrix():
         assert matrix.target_arch(major, minor) in matrix.ALL_ARCHS
 
 
-@pytest.mark.parametrize("change", [
-    dict(direction="bwd"), dict(paged=True), dict(decode=True), dict(dropout=True),
-])
-def test_sm90_spec_is_a_plain_forward(change):
+@pytest.mark.parametrize("change", [dict(paged=True), dict(decode=True), dict(dropout=True)])
+def test_sm90_spec_has_no_paging_decode_or_dropout(change):
     fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")
     KernelSpec(**fields)  # the plain forward is valid, also with a local mask and softcap
     KernelSpec(**{**fields, "mask": "local", "softcap": True, "pack_gqa": True})
+    KernelSpec(**{**fields, "direction": "bwd", "mask": "causal", "softcap": True})  # and the backward
     with pytest.raises(ValueError, match="sm90 family"):
         KernelSpec(**{**fields, **change})
+    with pytest.raises(ValueError, match="PackGQA"):
+        KernelSpec(**{**fields, "direction": "bwd", "pack_gqa": True})

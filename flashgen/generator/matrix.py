@@ -15,13 +15,16 @@ FAMILY_ARCHS = {
     "sm80": ("sm_80", "sm_86", "sm_90a"),
     "sm90": ("sm_90a",),
 }
-# The family of every kernel but the sm90 forward's (backward, combine, append, row kernels).
+# The family of every kernel but the sm90 forward's and backward's (combine, append, row kernels).
 BASE_FAMILY = "sm80"
 # Head dims with an sm90 forward instance: whole 64-column TMA panels (fwd_sm90.cuh). A call with a
 # smaller head dim (a multiple of 8) runs the next one up: the TMA zero-fills the columns past the
 # tensor's, which add nothing to Q·Kᵀ, and the kernel stores O into a padded buffer (run_fwd).
 SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)
 SM90_FWD_MASKS = ("none", "causal", "local")
+# Head dims with an sm90 backward instance (bwd_sm90.cuh: dK and dV of a consumer's 64 keys stay in
+# registers up to d128). Every mask and softcap; the sm80 backward serves the rest.
+SM90_BWD_HEAD_DIMS = (64, 128)
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
 
 
@@ -90,6 +93,11 @@ def bwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
     ):
         if archs is None or arch in archs:
             yield KernelSpec("bwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, dropout=dropout)
+    for arch, dtype, head_dim, mask, softcap in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_BWD_HEAD_DIMS, MASKS, (False, True)
+    ):
+        if archs is None or arch in archs:
+            yield KernelSpec("bwd", "sm90", arch, dtype, head_dim, mask, softcap)
 
 
 def bwd_row_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

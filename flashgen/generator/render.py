@@ -71,6 +71,10 @@ def render_instance(spec: KernelSpec) -> str:
         mask_enum=spec.mask.capitalize(),
         softcap=_cpp_bool(spec.softcap),
     )
+    if spec.direction == "bwd" and spec.family == "sm90":
+        return _env().get_template("bwd_sm90_instance.cu.j2").render(
+            **attention, producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
+        )
     if spec.direction == "bwd":
         return _env().get_template("bwd_instance.cu.j2").render(
             **attention, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),

@@ -43,8 +43,10 @@ COMBINE_DTYPES = ("fp16", "bf16", "fp32")  # the combine's output dtype
 HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
 # sm80: mma.sync + cp.async, every feature, every target (sm_80, sm_86, sm_90a). sm90: the Hopper
-# forward (wgmma + TMA, warp-specialized; fwd_sm90.cuh), sm_90a only, for the calls its instances
-# cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA; no paging, decode tile or dropout);
+# forward and backward (wgmma + TMA, warp-specialized; fwd_sm90.cuh, bwd_sm90.cuh), sm_90a only, for
+# the calls their instances cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA; no paging,
+# decode tile or dropout; the backward: matrix.SM90_BWD_HEAD_DIMS, dense and varlen calls without
+# seqused, not deterministic);
 # everything else keeps sm80.
 FAMILIES = ("sm80", "sm90")
 
@@ -86,8 +88,8 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
-            if self.family == "sm90" and (self.direction != "fwd" or self.paged or self.decode or self.dropout):
-                raise ValueError(f"the sm90 family is a forward without paging, decode or dropout: {self}")
+            if self.family == "sm90" and (self.paged or self.decode or self.dropout):
+                raise ValueError(f"the sm90 family has no paging, decode or dropout: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout) != (
             0, "none", False, False, False, False, False
         ):

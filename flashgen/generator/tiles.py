@@ -113,8 +113,33 @@ def decode_tile(arch: str, head_dim: int) -> FwdTile:
 SM90_BLOCK_M = 128  # query rows of an sm90 forward tile: two consumer warpgroups of 64 (kBlockM)
 
 
+class _Sm90Warpgroups:
+    """What the sm90 tiles share (Sm90Warpgroups in sm90_common.cuh): a CTA of a producer warpgroup
+    and two consumer warpgroups, alone on its SM, and the registers each keeps after setmaxnreg."""
+    producer_registers: int
+    num_warps: int
+
+    def _check_registers(self) -> None:
+        consumer = self.consumer_registers
+        if not (24 <= self.producer_registers <= consumer and self.producer_registers % 8 == 0 and consumer % 8 == 0):
+            raise ValueError(f"setmaxnreg needs multiples of 8 from 24 to 256: producer {self.producer_registers}, "
+                             f"consumers {consumer}")
+
+    @property
+    def consumer_registers(self) -> int:
+        """What the two consumer warpgroups get of the launch's registers once the producer gave its away."""
+        return sm90_consumer_registers(self.producer_registers)
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
+        return 1
+
+
 @dataclasses.dataclass(frozen=True)
-class Sm90FwdTile:
+class Sm90FwdTile(_Sm90Warpgroups):
     """The sm90 forward's CTA (fwd_sm90.cuh): a producer warpgroup and two consumer warpgroups of
     64 query rows each; Q and a ring of `stages` K and V blocks in 128-byte swizzled panels of
     64 head-dim columns."""
@@ -128,32 +153,23 @@ class Sm90FwdTile:
     num_warps: int = 12
 
     def __post_init__(self) -> None:
-        consumer = self.consumer_registers
-        if not (24 <= self.producer_registers <= consumer and self.producer_registers % 8 == 0 and consumer % 8 == 0):
-            raise ValueError(f"setmaxnreg needs multiples of 8 from 24 to 256: producer {self.producer_registers}, "
-                             f"consumers {consumer}")
-
-    @property
-    def consumer_registers(self) -> int:
-        """What the two consumer warpgroups get of the launch's registers once the producer gave its away."""
-        return (3 * SM90_LAUNCH_REGISTERS - self.producer_registers) // 2 // 8 * 8
-
-    @property
-    def num_threads(self) -> int:
-        return self.num_warps * 32
+        self._check_registers()
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 2 + 4 * stages mbarriers."""
         panels = head_dim // 64
         return 1024 + panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (2 + 4 * self.stages)
 
-    def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
-        return 1
-
 
 # The per-thread register cap of a 384-thread CTA alone on an SM (__launch_bounds__(384, 1)): 65536
 # registers / 384 threads, rounded down to the allocation granule of 8.
 SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
+
+
+def sm90_consumer_registers(producer_registers: int) -> int:
+    """Registers per thread of each of two consumer warpgroups once the producer warpgroup of an sm90
+    CTA (three warpgroups) has given its share down to producer_registers (setmaxnreg)."""
+    return (3 * SM90_LAUNCH_REGISTERS - producer_registers) // 2 // 8 * 8
 
 # (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice;
 # 160 and 176 measured 1-11% slower non-causal); d64 takes 256 (H200, bf16 s1k/4k/16k against 128,
@@ -176,9 +192,60 @@ _FWD_SM90 = {
 }
 
 
+SM90_BWD_BLOCK_N = 128  # keys of an sm90 backward CTA: two consumer warpgroups of 64 (kBlockN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90BwdTile(_Sm90Warpgroups):
+    """The sm90 backward's CTA (bwd_sm90.cuh): a producer warpgroup and two consumer warpgroups of 64
+    keys each, K and V resident, a ring of `stages` Q and dO blocks of block_m queries (with their
+    LSE and D rows), two dSᵀ buffers; 128-byte swizzled panels of 64 head-dim columns."""
+    block_m: int     # queries per step: the N of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, the K of dV and dK
+    stages: int = 2  # Q/dO blocks in flight
+    producer_registers: int = 24
+    block_n: int = SM90_BWD_BLOCK_N
+    num_warps: int = 12
+
+    def __post_init__(self) -> None:
+        self._check_registers()
+        if self.block_m not in (64, 128) or self.block_n != SM90_BWD_BLOCK_N:
+            raise ValueError(f"{self}: dQ = dS·K splits 64 or 128 queries over the two consumer warpgroups, "
+                             f"which own {SM90_BWD_BLOCK_N} keys")
+
+    def dq_mma_width(self, head_dim: int) -> int:
+        """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), or all 64
+        queries and half the columns (block_m 64)."""
+        return head_dim if self.block_m == 128 else head_dim // 2
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ buffers, the fp32 dQ
+        tile, per stage the LSE and D rows, 3 + 2 * stages mbarriers."""
+        panels = head_dim // 64
+        return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
+                + 2 * self.block_n * self.block_m * ELEMENT_BYTES + self.block_m * head_dim * 4
+                + 2 * self.stages * self.block_m * 4 + 8 * (3 + 2 * self.stages))
+
+
+# (head_dim) -> sm90 backward tile. 128 keys per CTA; at d64 128-query steps (Sᵀ and dPᵀ 64
+# registers each, dK and dV 32), at d128 64 (dK and dV take 64 each). Measured on the H200 (bf16,
+# non-causal s1k/4k/16k, two same-process runs each; causal alike): dQ through the shared tile and
+# TMA reductions instead of the consumers' 8-byte atomics: d64 +7%, +10%, +11%; at d128 a bulk copy
+# per row already gave +13%, +19%, +18% over the atomics, and the TMA +4%, +2%, +3% over that (a
+# bulk copy per row at d64, 128 rows of 256 bytes: -21%, -26%, -28%); 3 Q/dO stages instead of 2:
+# 0 to -5%; Pᵀ computed while dPᵀ is still in the tensor cores: -1% at d64, 0 at d128.
+_BWD_SM90 = {
+    64: Sm90BwdTile(128),
+    128: Sm90BwdTile(64),
+}
+
+
 def sm90_mma_widths() -> tuple[int, ...]:
-    """The wgmma N the sm90 tiles need: each key block (S = Q·Kᵀ) and each head dim (O += P·V)."""
-    return tuple(sorted({tile.block_n for tile in _FWD_SM90.values()} | set(_FWD_SM90)))
+    """The wgmma N the sm90 tiles need: the forward's key blocks (S = Q·Kᵀ) and head dims (O += P·V),
+    the backward's query blocks (Sᵀ, dPᵀ), head dims (dV, dK) and dQ widths."""
+    widths = {tile.block_n for tile in _FWD_SM90.values()} | set(_FWD_SM90)
+    for head_dim, tile in _BWD_SM90.items():
+        widths |= {tile.block_m, head_dim, tile.dq_mma_width(head_dim)}
+    return tuple(sorted(widths))
 
 
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
@@ -254,7 +321,13 @@ _BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(4, 64, 1), 128: BwdTile(4,
 BWD_MAX_STAGES = 2
 
 
-def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile:
+def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile | Sm90BwdTile:
+    if family == "sm90":
+        if head_dim not in _BWD_SM90:
+            raise ValueError(f"the sm90 family has no backward tile for head_dim {head_dim}")
+        tile = _BWD_SM90[head_dim]
+        assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
+        return tile
     if family != "sm80":
         raise ValueError(f"no backward tile table for family {family!r}")
     table = _BWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _BWD_SM80_SMALL

@@ -9,8 +9,9 @@ import torch
 from .. import config
 from ..generator import matrix
 from ..generator.spec import KernelSpec
-from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, bwd_tile
+from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_tile
 from . import params as params_mod
+from . import tma
 from .device import device_index, device_info
 from .dispatch import DeviceInfo, instance_head_dim, resolve_mask
 
@@ -21,7 +22,7 @@ _LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class BwdPlan:
     spec: KernelSpec
-    tile: BwdTile
+    tile: BwdTile | Sm90BwdTile
     grid: tuple[int, int, int]  # (key blocks x head-dim slices, KV heads, batch)
     window_left: int
     window_right: int
@@ -35,21 +36,34 @@ class BwdPlan:
 def plan_bwd(
     *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
     causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
-    family: str | None = None, dropout: bool = False,
+    family: str | None = None, dropout: bool = False, sm90: bool = False,
 ) -> BwdPlan:
-    """The backward instance and grid for a call (a pure function, like plan_fwd)."""
+    """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
+    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused, not deterministic);
+    on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
+    forces sm80."""
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
     dtype = _DTYPE_NAMES.get(dtype, dtype)
     arch = matrix.target_arch(*device.capability)
-    # The backward exists in the base family only (FLASHGEN_FAMILY=sm90 selects the forward).
+    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
     family = matrix.family_for(arch) if family in (None, "sm90") else family
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
+    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim, dropout=dropout):
+        tile = bwd_tile("sm90", arch, head_dim)
+        spec = KernelSpec("bwd", "sm90", arch, dtype, head_dim, mask, softcap > 0)
+        return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
     spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)
     grid = (max(1, -(-seqlen_k // tile.block_n)) * tile.d_slices, nheads_k, batch)
     return BwdPlan(spec, tile, grid, window_left, window_right)
+
+
+def sm90_bwd_covers(*, head_dim: int, dropout: bool) -> bool:
+    """Whether the sm90 backward has an instance for a call the TMA can read: the head dims
+    of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA; no dropout."""
+    return head_dim in matrix.SM90_BWD_HEAD_DIMS and not dropout
 
 
 def flash_bwd(
@@ -86,12 +100,16 @@ def flash_bwd(
         dv.zero_()
     index = device_index(q)
     info = device_info(index)
+    q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
     plan = plan_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
         family=config.forced_family(), dropout=dropout is not None and dropout.p > 0,
+        # The TMA checks only on Hopper; the sm90 backward takes dense and varlen calls, without
+        # seqused or deterministic mode.
+        sm90=info.capability[0] == 9 and not deterministic and seqused_q is None and seqused_k is None
+        and tma.compatible(q, k, v, dout),
     )
-    q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
     dsum = torch.empty((stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((stats_batch, nheads, stats_rows, head_dim), dtype=torch.float32, device=q.device)
     semaphores = None
@@ -137,5 +155,8 @@ def flash_bwd(
     threads = ROW_KERNEL_WARPS * 32
     _launch(pre, 0, threads, row_grid, row_params, index)
     # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.
-    _launch(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, params_mod.pack(params_mod.BWD_LAYOUT, values), index)
+    packed = params_mod.pack(params_mod.BWD_LAYOUT, values)
+    if spec.family == "sm90":  # the TMA maps of Q, K, V, dO and the dQ buffer before the BwdParams
+        packed = tma.sm90_bwd_params(q, k, v, dout, dq_accum, plan.tile.block_m, plan.tile.block_n, packed)
+    _launch(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     _launch(post, 0, threads, row_grid, row_params, index)

@@ -1,7 +1,7 @@
-"""TMA tensor maps for the sm90 forward (fwd_sm90.cuh): Q, K and V as 4-D tensors (head-dim
-columns, rows, heads, batch; a varlen (total, heads, d) tensor is a batch of one; PackGQA's Q as
-5-D, see tensor_map) read in boxes of 64 columns (one 128-byte swizzled panel) by a tile's
-rows. Encoded with cuTensorMapEncodeTiled and memoized by (address, shape, strides, dtype, box):
+"""TMA tensor maps for the sm90 family (fwd_sm90.cuh, bwd_sm90.cuh): Q, K, V (and the backward's
+dO and fp32 dQ buffer) as 4-D tensors (head-dim columns, rows, heads, batch; a varlen (total,
+heads, d) tensor is a batch of one; PackGQA's Q as 5-D, see tensor_map) read in boxes of 128 bytes
+of columns (one 128-byte swizzled panel: 64 fp16/bf16 columns, 32 fp32) by a tile's rows. Encoded with cuTensorMapEncodeTiled and memoized by (address, shape, strides, dtype, box):
 a call on tensors seen before costs a dictionary lookup.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from .launch import CudaError, _error_text, _import_driver
 
 TMA_MAP_BYTES = 128  # sizeof(CUtensorMap)
-PANEL_COLUMNS = 64   # 128 bytes of 16-bit elements: the widest box the 128-byte swizzle allows
+PANEL_BYTES = 128    # a box's columns: the widest the 128-byte swizzle allows
+PANEL_COLUMNS = PANEL_BYTES // 2  # of 16-bit elements (Q, K, V, dO); 32 of the backward's fp32 dQ buffer
 _MAX_MAPS = 256
 _maps: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
@@ -42,8 +43,8 @@ def compatible(*tensors: torch.Tensor) -> bool:
 
 
 def tensor_map(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
-    """The CUtensorMap bytes of a (batch, rows, heads, d) fp16/bf16 tensor, boxes of
-    PANEL_COLUMNS x box_rows, 128-byte swizzle, zero fill out of bounds. ``group`` > 1 (PackGQA's
+    """The CUtensorMap bytes of a (batch, rows, heads, d) fp16/bf16 (or fp32) tensor, boxes of
+    PANEL_BYTES of columns x box_rows, 128-byte swizzle, zero fill out of bounds. ``group`` > 1 (PackGQA's
     Q): heads come in groups of `group` that share a KV head, and a box is box_rows / group rows
     of all heads of one group, head fastest: packed row r of the box is row r / group, head r % group."""
     key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, box_rows, group)
@@ -67,6 +68,7 @@ def _encode(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
     dtype = {
         torch.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         torch.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        torch.float32: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
     }[t.dtype]
     # Dimensions after the contiguous columns, innermost first: (size, stride, box).
     if group == 1:
@@ -84,7 +86,7 @@ def _encode(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
         dtype, u32(1 + len(dims)), t.data_ptr(),
         [u64(d)] + [u64(n) for n, _, _ in dims],
         [u64(stride * size) for _, stride, _ in dims],
-        [u32(PANEL_COLUMNS)] + [u32(box) for _, _, box in dims],
+        [u32(PANEL_BYTES // size)] + [u32(box) for _, _, box in dims],
         [u32(1)] * (1 + len(dims)),
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
@@ -120,3 +122,29 @@ def sm90_fwd_params(q, k, v, block_m: int, block_n: int, fwd_params: bytes, grou
             if len(_triples) > _MAX_MAPS:
                 _triples.popitem(last=False)
     return maps + fwd_params + bytes(-(len(maps) + len(fwd_params)) % 64)
+
+
+_quads: collections.OrderedDict = collections.OrderedDict()
+
+
+def sm90_bwd_params(q, k, v, dout, dq_accum, block_m: int, block_n: int, bwd_params: bytes) -> bytes:
+    """Sm90BwdParams (bwd_sm90.cuh): the Q, K, V and dO maps ((batch, rows, heads, d) tensors, or
+    varlen (total, heads, d) as a batch of one; Q and dO in boxes of block_m rows, K and V of
+    block_n), the fp32 dQ buffer's ((batch, heads, rows, d), boxes of 32 columns by block_m rows),
+    then BwdParams, padded to the struct's 64-byte alignment. Memoized together, as
+    sm90_fwd_params (the dQ buffer is allocated per call; the caching allocator mostly hands back
+    the same address)."""
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (q, k, v, dout, dq_accum)) + (q.dtype, block_m, block_n)
+    with _lock:
+        maps = _quads.get(key)
+        if maps is not None:
+            _quads.move_to_end(key)
+    if maps is None:
+        q4, k4, v4, do4 = (t if t.dim() == 4 else t.unsqueeze(0) for t in (q, k, v, dout))
+        maps = (tensor_map(q4, block_m) + tensor_map(k4, block_n) + tensor_map(v4, block_n) + tensor_map(do4, block_m)
+                + tensor_map(dq_accum.permute(0, 2, 1, 3), block_m))
+        with _lock:
+            _quads[key] = maps
+            if len(_quads) > _MAX_MAPS:
+                _quads.popitem(last=False)
+    return maps + bwd_params + bytes(-(len(maps) + len(bwd_params)) % 64)

@@ -307,3 +307,114 @@ def test_sm90_varlen_packgqa(monkeypatch, launched, mask):
     suffix = "" if mask == "none" else "_" + mask
     assert launched == [f"flash_fwd_sm90_hdim128_bf16{suffix}_packgqa_sm90a"], launched
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
+
+
+# ---- The sm90 backward (bwd_sm90.cuh): dense calls at d64/d128, every mask, softcap, ALiBi, GQA.
+# The rest of the backward suite (test_bwd.py) runs it too wherever dispatch picks it; here each
+# case checks that it really ran, holds dq, dk, dv to FlashAttention's rule and compares them with
+# the sm80 backward's on the same inputs and output gradient.
+
+BWD_SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
+    pytest.param(2, 177, 255, 4, 4, id="sq177-sk255"),
+    pytest.param(1, 1, 300, 4, 4, id="sq1-sk300"),
+    pytest.param(2, 300, 1, 4, 2, id="sq300-sk1-gqa2"),
+    pytest.param(1, 113, 1023, 8, 2, id="sq113-sk1023-gqa4"),
+    pytest.param(1, 1023, 113, 4, 1, id="sq1023-sk113-mqa"),
+    # Several key blocks and query blocks a CTA, the Q/dO ring wrapping many times.
+    pytest.param(2, 1023, 1023, 4, 4, id="sq1023-sk1023"),
+]
+BWD_FEATURES = [
+    pytest.param({}, "none", id="plain"),
+    pytest.param({"causal": True}, "causal", id="causal"),
+    pytest.param({"window_size": (33, 7)}, "local", id="local-33-7"),
+    pytest.param({"window_size": (-1, 5)}, "local", id="local-inf-5"),
+    pytest.param({"softcap": 5.0, "causal": True}, "causal", id="softcap-causal"),
+    pytest.param({"alibi": True, "causal": True}, "causal", id="alibi-causal"),
+    pytest.param({"alibi": True, "softcap": 5.0, "window_size": (40, 3)}, "local", id="local-softcap-alibi"),
+]
+
+
+def _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    from test_bwd import check_grads, flash_grads
+
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    kwargs = dict(kwargs)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    dout = torch.randn_like(q)
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    grads = flash_grads(flashgen.flash_attn_func, (q, k, v), dout, **kwargs)
+    uri = (f"flash_bwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
+           f"{'_softcap' if kwargs.get('softcap') else ''}_sm90a")
+    assert uri in launched, f"{kwargs} ran {launched}, not the sm90 backward"
+    checked = check_grads(q, k, v, dout, grads, **kwargs)
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    launched.clear()
+    grads80 = flash_grads(flashgen.flash_attn_func, (q, k, v), dout, **kwargs)
+    assert any(u.startswith("flash_bwd_sm80_") for u in launched), launched
+    # Both meet the rule against the reference, so they agree to twice its bound.
+    for name, g, g80, g_ref, g_pt in zip(("dq", "dk", "dv"), grads, grads80, checked.grads_ref, checked.grads_pt):
+        bound = 2 * checked.rule_k * (g_pt.float() - g_ref.float()).abs().max().item() + 2e-4
+        assert (g.float() - g80.float()).abs().max().item() <= bound, name
+
+
+@pytest.mark.parametrize("kwargs, mask", BWD_FEATURES)
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", BWD_SHAPES)
+def test_sm90_bwd(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k)
+
+
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({"deterministic": True}, id="deterministic"),
+    pytest.param({"dropout_p": 0.1}, id="dropout"),
+])
+def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched, kwargs):
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 200, 200, 4, 4, 128, torch.bfloat16))
+    flashgen.flash_attn_func(q, k, v, causal=True, **kwargs).sum().backward()
+    bwd = [u for u in launched if u.startswith("flash_bwd_s")]
+    assert len(bwd) == 1 and bwd[0].startswith("flash_bwd_sm80_"), launched
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("lengths", ["ragged", "longer-q", "many-units"])
+def test_sm90_bwd_varlen(monkeypatch, launched, lengths, head_dim, dtype, mask):
+    # Sequences are rows of one tensor: a block's rows past its sequence are the next sequence's,
+    # which must add nothing to this one's gradients. The tensors carry NaN rows past the last
+    # sequence (a buffer longer than cu_seqlens says), which must not leak into any gradient.
+    from test_varlen import MASKS, check_sequence_grads, cu, varlen_grads
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = VARLEN_LENGTHS[lengths]
+    extra = 37
+    q, k, v = (torch.randn(sum(n) + extra, h, head_dim, dtype=dtype, device="cuda")
+               for n, h in ((lengths_q, 4), (lengths_k, 2), (lengths_k, 2)))
+    for t in (q, k, v):
+        t[-extra:] = float("nan")
+    dout = torch.randn_like(q)
+    dout[-extra:] = float("nan")
+    grads = varlen_grads(q, k, v, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k), dout, **MASKS[mask])
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{head_dim}_") for u in launched), launched
+    check_sequence_grads(q, k, v, dout, [g[:-extra] for g in grads], lengths_q, lengths_k, **MASKS[mask])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, not fixed: under varlen the sm90 backward's dQ tile of a sequence's last query block "
+    "covers the next sequence's first rows, which take 0 * inf = NaN from an inf or NaN in this "
+    "sequence's K or V (the sm80 backward does not write them; bwd_sm90.cuh, the dQ thread)"))
+def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched):
+    from test_varlen import cu, varlen_grads
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = [100, 200], [150, 200]  # d64: 128-query blocks, so block 0 holds 28 rows of sequence 1
+    q, k, v = (torch.randn(sum(n), 4, 64, dtype=torch.bfloat16, device="cuda") for n in (lengths_q, lengths_k, lengths_k))
+    v[5] = float("nan")  # sequence 0's gradients are NaN; sequence 1's must not be
+    dout = torch.randn_like(q)
+    grads = varlen_grads(q, k, v, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k), dout)
+    assert any(u.startswith("flash_bwd_sm90_hdim64_") for u in launched), launched
+    for name, g, (start, end) in zip(("dq", "dk", "dv"), grads, ((100, 300), (150, 350), (150, 350))):
+        assert torch.isfinite(g[start:end]).all(), f"{name} of sequence 1 is not finite"

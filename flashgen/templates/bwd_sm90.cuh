@@ -1,0 +1,523 @@
+// The sm90 backward family (Hopper, compiled for sm_90a): dQ, dK, dV with the tensor cores'
+// warpgroup MMA (wgmma) and the TMA, warp-specialized, from the same inputs as the sm80 backward
+// (the forward's LSE, D = rowsum(dO ∘ O) from the preprocess kernel, an fp32 dQ buffer that the
+// postprocess kernel converts).
+//
+// A CTA owns kBlockN = 128 keys of one (batch, KV head), loops over the query heads of its group
+// and the query blocks that see its keys (kBlockM queries a step), and is three warpgroups:
+//   warpgroup 0, the producer: one thread loads K and V once and each step's Q and dO by TMA into
+//     a ring of kStages stages; warp 1 writes the step's LSE (in log2 units) and D rows next to
+//     them. Both arrive on the stage's "full" mbarrier; the stage is refilled once both consumers
+//     have released it ("empty"). It gives its registers away (setmaxnreg) to
+//   warpgroups 1 and 2, the consumers: each owns 64 of the keys and, per step, in the transposed
+//     domain (keys as the MMAs' M, so dK and dV accumulate in registers with no transpose):
+//       Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ                 (wgmma, both operands from shared memory)
+//       Pᵀ = exp(Sᵀ - LSE), dSᵀ = Pᵀ ∘ (dPᵀ - D)  (softcap: times 1 - tanh²; masks, ALiBi)
+//       dV += Pᵀ·dO, dK += dSᵀ·Q                (wgmma, Pᵀ and dSᵀ from registers, dO and Q MN-major)
+//       dSᵀ -> shared memory (one of two buffers), then with both consumers' halves there
+//       dQ = dS·K for its share of the step's dQ (dS MN-major from shared memory, K MN-major),
+//       stored to a shared fp32 tile that a thread of the producer warpgroup adds to the fp32 dQ
+//       buffer by TMA reductions.
+// Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
+// the dSᵀ tile is [key][query] in panels of 64 queries with the same swizzle, written by the
+// consumers. Rows past a tensor's end are zero-filled by the TMA, rows past a varlen sequence's
+// end zeroed in shared memory (clear_rows); their LSE is +inf (P = 0) and D 0, so they contribute
+// exactly 0; keys past seqlen_k are masked and their dK, dV rows not stored.
+//
+// Not here (the sm80 backward serves those calls): seqused_q/k, dropout, deterministic mode, head
+// dims other than the instances' (64, 128).
+#pragma once
+#include "common.cuh"
+#include "flash_params.cuh"
+#include "seq_extent.cuh"
+#include "sm90_common.cuh"
+#include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
+
+namespace flashgen {
+
+// The sm90 backward's one parameter: five tensor maps (Q, K, V, dO as (d, rows, heads, batch); the
+// fp32 dQ buffer the same way, in boxes of 32 columns) and the BwdParams the sm80 backward takes.
+struct Sm90BwdParams {
+    TmaDescriptor tma_q;
+    TmaDescriptor tma_k;
+    TmaDescriptor tma_v;
+    TmaDescriptor tma_do;
+    TmaDescriptor tma_dq;
+    BwdParams p;
+};
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_, Mask kMask_, bool kSoftcap_,
+          int kProducerRegs_, int kConsumerRegs_>
+struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
+    using Element = Element_;
+    using T = typename Element::storage;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;  // queries per step
+    static constexpr int kBlockN = 128;       // keys: two consumer warpgroups of 64
+    static constexpr int kStages = kStages_;  // Q/dO (and LSE/D) stages
+    static constexpr Mask kMask = kMask_;
+    static constexpr bool kSoftcap = kSoftcap_;
+    static constexpr int kPanels = kHeadDim / 64;
+    static constexpr int kPanelKBytes = kBlockN * 128;
+    static constexpr int kKBytes = kPanels * kPanelKBytes;  // K or V
+    static constexpr int kPanelQBytes = kBlockM * 128;
+    static constexpr int kQBytes = kPanels * kPanelQBytes;  // Q or dO, one stage
+    // dSᵀ: [key][query], panels of 64 queries by kBlockN keys (the MN-major A of dQ = dS·K).
+    static constexpr int kPanelDSBytes = kBlockN * 128;
+    static constexpr int kDSBytes = kBlockM / 64 * kPanelDSBytes;
+    // Each consumer's share of a step's dQ: 64 queries by all columns (kBlockM 128), or all 64
+    // queries by half the columns (kBlockM 64). Its N, kDQWidth, is whole 64-column panels of K.
+    static constexpr bool kDQSplitColumns = kBlockM == 64;
+    static constexpr int kDQWidth = kDQSplitColumns ? kHeadDim / 2 : kHeadDim;
+    static constexpr int kStatsBytes = 2 * kBlockM * 4;  // LSE and D rows, one stage
+    // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
+    // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
+    // for 256 bytes), added to the dQ buffer by TMA reductions, one per box.
+    static constexpr int kDQBoxBytes = kBlockM * 128;
+    static constexpr int kDQBytes = kHeadDim / 32 * kDQBoxBytes;
+    static constexpr int kBarriers = 3 + 2 * kStages;  // K/V; dQ full and empty; full and empty per stage
+    // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
+    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDSBytes + kDQBytes +
+                                      kStages * kStatsBytes + 8 * kBarriers;
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head dims of whole 64-column panels, dK and dV in registers");
+    static_assert((kBlockM == 64 || kBlockM == 128) && kDQWidth % 64 == 0, "dQ shares of whole panels");
+};
+
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+// TMA reduction: the fp32 box at `src` added to a tensor map's box (columns, rows, head, batch);
+// committed as a bulk group per thread, which then waits until its groups have read shared memory,
+// or (at exit) have completed.
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaDescriptor* map, uint32_t src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+// Keeps registers that an in-flight wgmma reads (A fragments) alive up to this point.
+template <int N>
+__device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" ::"r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]) : "memory");
+}
+
+// What the per-element backward of the softmax needs besides Sᵀ and dPᵀ.
+struct Sm90BwdStep {
+    uint32_t lse, dsum;  // shared addresses of the step's LSE (log2 units) and D rows
+    int key;             // this thread's first key (the second is + 8)
+    int query;           // this thread's first query (n8 tile i adds 8 i, the odd element 1)
+    int diag;            // seqlen_k - seqlen_q
+    float slope;         // ALiBi slope (scaled), if kAlibi
+};
+
+// Sᵀ -> Pᵀ and dPᵀ -> dSᵀ in place, for one consumer's 64 keys x kBlockM queries (accumulator
+// layout: element i * 4 + e is key `key + 8 (e / 2)`, query `query + 8 i + e % 2`). dSᵀ is in
+// raw-score units over the softmax scale (the scale is applied to dK here and dQ in the
+// postprocess kernel). Masked elements are 0 in both.
+template <typename Tr, bool kNeedMask, bool kAlibi>
+__device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2], float (&dp)[Tr::kBlockM / 2],
+                                                      const Sm90BwdStep& a, const BwdParams& params) {
+    int const lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+        float2 const lse2 = ld_shared_f32x2(a.lse + (i * 8 + 2 * (lane % 4)) * 4);
+        float2 const dsum2 = ld_shared_f32x2(a.dsum + (i * 8 + 2 * (lane % 4)) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int const key = a.key + 8 * (e / 2);
+            int const query = a.query + i * 8 + (e % 2);
+            float score = s[i * 4 + e];
+            float dtanh = 1.f;
+            if constexpr (Tr::kSoftcap) {
+                float const t = tanh_accurate(score * params.softcap_scale);
+                score = params.softcap * t;
+                dtanh = 1.f - t * t;
+            }
+            if constexpr (kAlibi) score = alibi_score(score, a.slope, float(query + a.diag - key));
+            float p = exp2_approx(score * params.scale_log2 - (e % 2 ? lse2.y : lse2.x));
+            float ds = p * (dp[i * 4 + e] - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
+            if constexpr (kNeedMask) {
+                bool const hidden =
+                    key_hidden<Tr::kMask>(key, query + a.diag, params.seqlen_k, params.window_left, params.window_right);
+                p = hidden ? 0.f : p;
+                ds = hidden ? 0.f : ds;
+            }
+            s[i * 4 + e] = p;
+            dp[i * 4 + e] = ds;
+        }
+    }
+}
+
+// Accumulator (64 rows x 16 k of S-like layout) -> the m64k16 A fragments of the next wgmma: the
+// k16 slice kk is n8 tiles 2 kk and 2 kk + 1.
+template <typename Element, int kRegs>
+__device__ __forceinline__ void pack_fragments(const float (&acc)[kRegs], uint32_t (&a)[kRegs / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kRegs / 8; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[kk][j] = Element::pack2(acc[8 * kk + 2 * j], acc[8 * kk + 2 * j + 1]);
+}
+
+template <typename Tr>
+__device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
+    using Element = typename Tr::Element;
+    using T = typename Tr::T;
+    constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+    constexpr bool kMasked = Tr::kMask != Mask::None;
+    BwdParams const& params = args.p;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    uint32_t const smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    uint32_t const sK = smem, sV = smem + Tr::kKBytes;
+    uint32_t const sQ0 = sV + Tr::kKBytes, sdO0 = sQ0 + kStages * Tr::kQBytes;
+    uint32_t const sdS0 = sdO0 + kStages * Tr::kQBytes;
+    uint32_t const sdQ = sdS0 + 2 * Tr::kDSBytes;
+    uint32_t const sStats0 = sdQ + Tr::kDQBytes;
+    auto sQ = [&](int stage) { return sQ0 + stage * Tr::kQBytes; };
+    auto sdO = [&](int stage) { return sdO0 + stage * Tr::kQBytes; };
+    auto sLSE = [&](int stage) { return sStats0 + stage * Tr::kStatsBytes; };
+    auto sD = [&](int stage) { return sLSE(stage) + kBlockM * 4; };
+    uint32_t const bars = sStats0 + kStages * Tr::kStatsBytes;
+    uint32_t const bar_kv = bars, dq_full = bars + 8, dq_empty = bars + 16;
+    auto full = [&](int stage) { return bars + 8 * (3 + stage); };
+    auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
+
+    int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
+    int const n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
+    // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.
+    bool const varlen_q = params.cu_seqlens_q_ptr != nullptr, varlen_k = params.cu_seqlens_k_ptr != nullptr;
+    BwdExtent const seq = bwd_extent</*kSeqused=*/false>(params, bidb);
+    int const q_offset = seq.q_offset, k_offset = seq.k_offset, seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    int const q_batch = varlen_q ? 0 : bidb, k_batch = varlen_k ? 0 : bidb;  // map coordinates
+    int const diag = seqlen_k - seqlen_q;
+    int const qhpk = params.nheads / params.nheads_k;
+    int const key0 = n_block * kBlockN;
+    if (key0 >= seqlen_k) return;
+
+    // Query blocks that see any key of this block: i + diag - wl <= j <= i + diag + wr.
+    int const m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    int m_block_min = 0, m_block_max = m_blocks;
+    if constexpr (kMasked) {
+        int const first_query = key0 - diag - params.window_right;
+        m_block_min = first_query <= 0 ? 0 : min(first_query / kBlockM, m_blocks);
+        if constexpr (Tr::kMask == Mask::Local) {
+            int const last_query = key0 + kBlockN - 1 - diag + params.window_left;
+            m_block_max = last_query < 0 ? 0 : min(last_query / kBlockM + 1, m_blocks);
+        }
+    }
+    // Steps enumerate (query head of the group, query block), query blocks fastest, advanced by
+    // counters on both sides (no division).
+    int const m_count = max(m_block_max - m_block_min, 0);
+    int const steps = qhpk * m_count;
+
+    if (tid == 0) {
+        mbar_init(bar_kv, 1);
+        mbar_init(dq_full, Tr::kConsumerThreads);
+        mbar_init(dq_empty, 1);  // the dQ thread, once its reductions have read the tile
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full(s), 1 + 32);  // the TMA thread's arrival with its bytes, warp 1's 32 lanes
+            mbar_init(empty(s), Tr::kConsumerThreads);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        // ---- Producer.
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (steps == 0) return;  // no query sees these keys: the consumers store dK = dV = 0
+        if (warp == 0 && lane == 0) {
+            mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKBytes);
+#pragma unroll
+            for (int p = 0; p < Tr::kPanels; ++p) {
+                tma_load_4d(sK + p * Tr::kPanelKBytes, &args.tma_k, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
+                tma_load_4d(sV + p * Tr::kPanelKBytes, &args.tma_v, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
+            }
+            int head = 0, m = 0;
+            for (int t = 0; t < steps; ++t) {
+                int const stage = t % kStages;
+                if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);  // its previous use is done
+                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
+                if (++m == m_count) {
+                    m = 0;
+                    ++head;
+                }
+                mbar_arrive_expect_tx(full(stage), 2 * Tr::kQBytes);
+#pragma unroll
+                for (int p = 0; p < Tr::kPanels; ++p) {
+                    tma_load_4d(sQ(stage) + p * Tr::kPanelQBytes, &args.tma_q, full(stage), p * 64, q_offset + q0, bidh,
+                                q_batch);
+                    tma_load_4d(sdO(stage) + p * Tr::kPanelQBytes, &args.tma_do, full(stage), p * 64, q_offset + q0, bidh,
+                                q_batch);
+                }
+            }
+        } else if (warp == 1) {
+            // The step's LSE in log2 units and D: +inf and 0 for rows past seqlen_q (their Q and dO
+            // are the TMA's zeros, or under varlen zeroed by clear_rows), +inf for rows that saw no
+            // key (lse -inf): P = 0 there.
+            const float* lse = reinterpret_cast<const float*>(params.lse_ptr);
+            const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
+            int head = 0, m = 0;
+            for (int t = 0; t < steps; ++t) {
+                int const stage = t % kStages;
+                if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);
+                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
+                if (++m == m_count) {
+                    m = 0;
+                    ++head;
+                }
+                int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
+#pragma unroll
+                for (int r = lane; r < kBlockM; r += 32) {
+                    float lse_log2 = kInfinity, d = 0.f;
+                    if (q0 + r < seqlen_q) {
+                        float const l = lse[row_stats + q0 + r];
+                        lse_log2 = l == -kInfinity ? kInfinity : l * 1.4426950408889634f;
+                        d = dsum[row_stats + q0 + r];
+                    }
+                    st_shared_f32(sLSE(stage) + r * 4, lse_log2);
+                    st_shared_f32(sD(stage) + r * 4, d);
+                }
+                mbar_arrive(full(stage));
+            }
+        } else if (warp == 2 && lane == 0) {
+            // dQ: once both consumers have stored a step's tile, add it to the fp32 dQ buffer by TMA
+            // reductions (rows past the tensor are dropped), and release the tile when the
+            // reductions have read it. (Off the consumers' path, and whole lines for the L2 instead
+            // of 8-byte atomics.) Under varlen, the rows past the sequence are the next sequence's
+            // first rows: their dS is 0, so they add zeros to them while this sequence's K is
+            // finite; an inf or NaN in its K or V makes them NaN (0 times inf), which the sm80
+            // backward would not write there. (FlashAttention-3 pads each sequence's rows of the
+            // dQ buffer to whole blocks; zeroing those rows of the tile also would do.)
+            int head = 0, m = 0;
+            for (int t = 0; t < steps; ++t) {
+                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
+                if (++m == m_count) {
+                    m = 0;
+                    ++head;
+                }
+                mbar_wait(dq_full, t & 1);
+#pragma unroll
+                for (int box = 0; box < kHeadDim / 32; ++box) {
+                    tma_reduce_add_4d(&args.tma_dq, sdQ + box * Tr::kDQBoxBytes, box * 32, q_offset + q0, bidh, q_batch);
+                }
+                bulk_commit();
+                bulk_wait_read();
+                mbar_arrive(dq_empty);
+            }
+            bulk_wait_all();
+        }
+        return;
+    }
+
+    // ---- Consumers: warpgroup c (0 or 1) owns keys 64 c .. 64 c + 63 of the block; thread (warp w
+    // of the warpgroup, lane) holds keys 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
+    // of each n8 tile of Sᵀ, dPᵀ, dK and dV (the wgmma accumulator layout).
+    setmaxnreg_inc<Tr::kConsumerRegs>();
+    int const consumer = warpgroup - 1;
+    int const key_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
+    constexpr int kSRegs = kBlockM / 2, kDKRegs = kHeadDim / 2, kDQRegs = Tr::kDQWidth / 2;
+    uint32_t const k_rows = sK + consumer * 64 * 128, v_rows = sV + consumer * 64 * 128;
+    // This consumer's share of dQ: queries dq_q0 .. + 63, columns dq_col0 .. + kDQWidth - 1.
+    int const dq_q0 = Tr::kDQSplitColumns ? 0 : consumer * 64;
+    int const dq_col0 = Tr::kDQSplitColumns ? consumer * Tr::kDQWidth : 0;
+    const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
+
+    float acc_dk[kDKRegs], acc_dv[kDKRegs];
+#pragma unroll
+    for (int i = 0; i < kDKRegs; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    // Varlen: rows of a block past its sequence's end are the next sequence's (or, past the last
+    // one, whatever the tensor holds there). Masked P and dS are 0 by selection, but 0 times an inf
+    // or NaN row is NaN, so the K and V rows past seqlen_k, and in a step's block the Q and dO rows
+    // past seqlen_q, are zeroed in shared memory before any MMA reads them (both consumers, then a
+    // barrier; once per CTA for K/V, on a sequence's last query block for Q/dO). Dense rows past a
+    // tensor are the TMA's zeros.
+    auto clear_rows = [&](uint32_t tile, int rows, int first_row, int panel_bytes) {
+        int const consumer_tid = tid - (Tr::kNThreads - Tr::kConsumerThreads);  // after the producer warpgroup
+        for (int c = consumer_tid; c < Tr::kPanels * rows * 8; c += Tr::kConsumerThreads) {
+            int const row = c / 8 % rows;
+            if (row >= first_row) st_shared_zero16(tile + (c / (8 * rows)) * panel_bytes + row * 128 + (c % 8) * 16);
+        }
+    };
+    auto publish_cleared = [&]() {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier_sync(2, Tr::kConsumerThreads);
+    };
+    if (steps > 0) {
+        mbar_wait(bar_kv, 0);
+        if (varlen_k && key0 + kBlockN > seqlen_k) {
+            clear_rows(sK, kBlockN, seqlen_k - key0, Tr::kPanelKBytes);
+            clear_rows(sV, kBlockN, seqlen_k - key0, Tr::kPanelKBytes);
+            publish_cleared();
+        }
+    }
+
+    int head = 0, m = 0;
+    for (int t = 0; t < steps; ++t) {
+        int const stage = t % kStages;
+        uint32_t const parity = (t / kStages) & 1;
+        int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
+        if (++m == m_count) {
+            m = 0;
+            ++head;
+        }
+        float s[kSRegs], dp[kSRegs];
+        mbar_wait(full(stage), parity);
+        if (varlen_q && q0 + kBlockM > seqlen_q) {
+            clear_rows(sQ(stage), kBlockM, seqlen_q - q0, Tr::kPanelQBytes);
+            clear_rows(sdO(stage), kBlockM, seqlen_q - q0, Tr::kPanelQBytes);
+            publish_cleared();
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kHeadDim / 16; ++k) {
+            uint32_t const col = (k % 4) * 32;  // 16 columns = 32 bytes within the 128-byte panel rows
+            uint64_t const desc_k = smem_desc_sw128(k_rows + (k / 4) * Tr::kPanelKBytes + col, 16, 1024);
+            uint64_t const desc_q = smem_desc_sw128(sQ(stage) + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
+            wgmma_ss<Element, kBlockM, 0>(s, desc_k, desc_q, k > 0);
+        }
+#pragma unroll
+        for (int k = 0; k < kHeadDim / 16; ++k) {
+            uint32_t const col = (k % 4) * 32;
+            uint64_t const desc_v = smem_desc_sw128(v_rows + (k / 4) * Tr::kPanelKBytes + col, 16, 1024);
+            uint64_t const desc_do = smem_desc_sw128(sdO(stage) + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
+            wgmma_ss<Element, kBlockM, 0>(dp, desc_v, desc_do, k > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+        fence_registers(dp);
+
+        // Pᵀ and dSᵀ, instantiated per (mask needed, ALiBi): a block without either issues none of
+        // their instructions. The mask: keys past seqlen_k, or a window edge crossing this
+        // consumer's 64 keys x the step's queries.
+        int const wg_key0 = key0 + consumer * 64;
+        bool const need_mask = wg_key0 + 64 > seqlen_k ||
+                               (kMasked && (q0 + diag + params.window_right < wg_key0 + 63 ||
+                                            (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > wg_key0)));
+        Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag,
+                               slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f};
+        if (need_mask) {
+            if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params);
+            else softmax_backward_sm90<Tr, true, false>(s, dp, step, params);
+        } else {
+            if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params);
+            else softmax_backward_sm90<Tr, false, false>(s, dp, step, params);
+        }
+        uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+        pack_fragments<Element>(s, p_frag);
+        pack_fragments<Element>(dp, ds_frag);
+
+        // dSᵀ to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte chunk
+        // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle; key % 8 is lane / 4 here).
+        uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
+#pragma unroll
+        for (int i = 0; i < kBlockM / 8; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int const row = key_in_block + 8 * half;
+                st_shared_u32(ds_buffer + (i / 8) * Tr::kPanelDSBytes + row * 128 + (((i % 8) ^ (lane / 4)) * 16) +
+                                  4 * (lane % 4),
+                              ds_frag[i / 2][(i % 2) * 2 + half]);
+            }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the wgmma (async proxy)
+
+        // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
+        // head-dim columns its N (MN-major, panels kPanelQBytes apart).
+        fence_registers(acc_dv);
+        fence_registers(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            wgmma_rs<Element, kHeadDim, 1>(acc_dv, p_frag[kk], smem_desc_sw128(sdO(stage) + kk * 16 * 128, Tr::kPanelQBytes, 1024), 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            wgmma_rs<Element, kHeadDim, 1>(acc_dk, ds_frag[kk], smem_desc_sw128(sQ(stage) + kk * 16 * 128, Tr::kPanelQBytes, 1024), 1);
+        }
+        wgmma_commit();
+
+        // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
+        // panel dq_q0 / 64, K rows kk * 16.. the K of MMA kk, K's columns dq_col0.. its N.
+        named_barrier_sync(1, Tr::kConsumerThreads);
+        float acc_dq[kDQRegs];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            uint64_t const desc_ds = smem_desc_sw128(ds_buffer + (dq_q0 / 64) * Tr::kPanelDSBytes + kk * 16 * 128,
+                                                     Tr::kPanelDSBytes, 1024);
+            uint64_t const desc_kt = smem_desc_sw128(sK + (dq_col0 / 64) * Tr::kPanelKBytes + kk * 16 * 128,
+                                                     Tr::kPanelKBytes, 1024);
+            wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, desc_ds, desc_kt, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dK done: the stage's Q, dO, LSE and D are free
+        fence_registers(acc_dv);
+        fence_registers(acc_dk);
+        keep_fragments(p_frag);
+        keep_fragments(ds_frag);
+        mbar_arrive(empty(stage));
+        wgmma_wait<0>();
+        fence_registers(acc_dq);
+
+        // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
+        // the previous step's. Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4
+        // XOR row % 8 (= lane / 4 here).
+        if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
+        int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
+                int const col = dq_col0 + i * 8 + 2 * (lane % 4);
+                uint32_t const addr = sdQ + (col / 32) * Tr::kDQBoxBytes + (dq_row + 8 * half) * 128 +
+                                      ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
+                st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
+            }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA (async proxy)
+        mbar_arrive(dq_full);
+    }
+
+    // ---- dK (scaled) and dV of this consumer's keys.
+    T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride + k_offset * params.dk_row_stride +
+                 bidh_kv * params.dk_head_stride;
+    T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + k_offset * params.dv_row_stride +
+                 bidh_kv * params.dv_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int const key = key0 + key_in_block + 8 * half;
+        if (key < seqlen_k) {
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; ++i) {
+                int const col = i * 8 + 2 * (lane % 4);
+                *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
+                    Element::pack2(acc_dk[i * 4 + 2 * half] * params.softmax_scale,
+                                   acc_dk[i * 4 + 2 * half + 1] * params.softmax_scale);
+                *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
+                    Element::pack2(acc_dv[i * 4 + 2 * half], acc_dv[i * 4 + 2 * half + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace flashgen
