@@ -313,7 +313,7 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ca
 @pytest.mark.parametrize("overrides", [
     dict(sm90=False),                    # inputs the TMA cannot read, varlen or deterministic (flash_bwd)
     dict(sm90=True, family="sm80"),      # the sm80 family forced
-    dict(sm90=True, head_dim=96),        # no sm90 backward instance
+    dict(sm90=True, head_dim=136),       # above the largest sm90 backward instance
     dict(sm90=True, head_dim=256),
     dict(sm90=True, dropout=True),       # no dropout in the sm90 backward
     dict(sm90=True, device=(8, 0)),      # not Hopper
@@ -321,6 +321,12 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ca
 def test_sm90_backward_leaves_the_rest_to_sm80(overrides):
     chosen = _plan_bwd(**overrides)
     assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec)
+
+
+@pytest.mark.parametrize("head_dim, instance", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128)])
+def test_sm90_backward_serves_head_dims_below_an_instance_on_it(head_dim, instance):
+    chosen = _plan_bwd(head_dim=head_dim, sm90=True)
+    assert (chosen.spec.family, chosen.spec.head_dim) == ("sm90", instance) and is_in_matrix(chosen.spec)
 
 
 def test_sm90_backward_tiles_and_widths():

@@ -50,8 +50,9 @@ def plan_bwd(
     family = matrix.family_for(arch) if family in (None, "sm90") else family
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     if allow_sm90 and sm90_bwd_covers(head_dim=head_dim, dropout=dropout):
-        tile = bwd_tile("sm90", arch, head_dim)
-        spec = KernelSpec("bwd", "sm90", arch, dtype, head_dim, mask, softcap > 0)
+        sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
+        tile = bwd_tile("sm90", arch, sm90_head_dim)
+        spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0)
         return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
@@ -60,10 +61,17 @@ def plan_bwd(
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
 
+def sm90_bwd_instance_head_dim(head_dim: int) -> int | None:
+    """The sm90 backward instance that serves ``head_dim``: the smallest of
+    matrix.SM90_BWD_HEAD_DIMS that holds it (bwd_sm90.cuh: the TMA zero-fills the columns past the
+    call's and drops the dQ tile's), None above the largest."""
+    return next((d for d in matrix.SM90_BWD_HEAD_DIMS if head_dim <= d), None)
+
+
 def sm90_bwd_covers(*, head_dim: int, dropout: bool) -> bool:
-    """Whether the sm90 backward has an instance for a call the TMA can read: the head dims
-    of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA; no dropout."""
-    return head_dim in matrix.SM90_BWD_HEAD_DIMS and not dropout
+    """Whether the sm90 backward has an instance for a call the TMA can read: any head dim up to
+    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA; no dropout."""
+    return sm90_bwd_instance_head_dim(head_dim) is not None and not dropout
 
 
 def flash_bwd(

@@ -24,8 +24,10 @@
 // end zeroed in shared memory (clear_rows); their LSE is +inf (P = 0) and D 0, so they contribute
 // exactly 0; keys past seqlen_k are masked and their dK, dV rows not stored.
 //
-// Not here (the sm80 backward serves those calls): seqused_q/k, dropout, deterministic mode, head
-// dims other than the instances' (64, 128).
+// Head dims below an instance's run on it: the TMA zero-fills Q's, K's, V's and dO's columns past the
+// call's, which add nothing; dK and dV are stored for the call's columns, and the dQ buffer's
+// tensor map, as wide as the call, drops the tile's extra columns. Not here (the sm80 backward
+// serves those calls): seqused_q/k, dropout, deterministic mode, head dims above 128.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -300,15 +302,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
                 mbar_arrive(full(stage));
             }
-        } else if (warp == 2 && lane == 0) {
-            // dQ: once both consumers have stored a step's tile, add it to the fp32 dQ buffer by TMA
-            // reductions (rows past the tensor are dropped), and release the tile when the
-            // reductions have read it. (Off the consumers' path, and whole lines for the L2 instead
-            // of 8-byte atomics.) Under varlen, the rows past the sequence are the next sequence's
-            // first rows: their dS is 0, so they add zeros to them while this sequence's K is
-            // finite; an inf or NaN in its K or V makes them NaN (0 times inf), which the sm80
-            // backward would not write there. (FlashAttention-3 pads each sequence's rows of the
-            // dQ buffer to whole blocks; zeroing those rows of the tile also would do.)
+        } else if (warp == 2) {
+            // dQ: once both consumers have stored a step's tile, lane 0 adds it to the fp32 dQ
+            // buffer by TMA reductions (rows past the tensor are dropped) and releases the tile
+            // when the reductions have read it. (Off the consumers' path, and whole lines for the
+            // L2 instead of 8-byte atomics.) Under varlen, a sequence's last tile also covers the
+            // next sequence's first rows: the warp zeroes them first, whatever this sequence's K
+            // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
+            // spills when it keeps the sequence's end live.
             int head = 0, m = 0;
             for (int t = 0; t < steps; ++t) {
                 int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
@@ -317,15 +318,28 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     ++head;
                 }
                 mbar_wait(dq_full, t & 1);
+                if (varlen_q && q0 + kBlockM > seqlen_q) {
+                    // Whole 128-byte rows of each 32-column box (the swizzle only permutes chunks within a row).
+                    int const first_past = max(seqlen_q - q0, 0);
+                    for (int chunk = first_past * 8 + lane; chunk < kBlockM * 8; chunk += 32) {
 #pragma unroll
-                for (int box = 0; box < kHeadDim / 32; ++box) {
-                    tma_reduce_add_4d(&args.tma_dq, sdQ + box * Tr::kDQBoxBytes, box * 32, q_offset + q0, bidh, q_batch);
+                        for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(sdQ + box * Tr::kDQBoxBytes + chunk * 16);
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA (async proxy)
+                    __syncwarp();
                 }
-                bulk_commit();
-                bulk_wait_read();
-                mbar_arrive(dq_empty);
+                if (lane == 0) {
+#pragma unroll
+                    for (int box = 0; box < kHeadDim / 32; ++box) {
+                        tma_reduce_add_4d(&args.tma_dq, sdQ + box * Tr::kDQBoxBytes, box * 32, q_offset + q0, bidh, q_batch);
+                    }
+                    bulk_commit();
+                    bulk_wait_read();
+                    mbar_arrive(dq_empty);
+                }
+                __syncwarp();
             }
-            bulk_wait_all();
+            if (lane == 0) bulk_wait_all();
         }
         return;
     }
@@ -510,6 +524,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i) {
                 int const col = i * 8 + 2 * (lane % 4);
+                if (col >= params.head_dim) continue;  // a call narrower than the instance (the TMA's zero columns)
                 *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
                     Element::pack2(acc_dk[i * 4 + 2 * half] * params.softmax_scale,
                                    acc_dk[i * 4 + 2 * half + 1] * params.softmax_scale);

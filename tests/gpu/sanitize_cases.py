@@ -20,7 +20,7 @@ What each group reaches (issue 8):
   * on Hopper, the sm90 forward (TMA + wgmma): every flash_attn_func case above with head dim
     64/128/256, no mask or causal and more than 32 rows runs it, plus its own edge cases below
     (a row block of one row, one key, key blocks cut by seqlen_k, GQA without packing); and the sm90
-    backward: the backward cases above at d64/d128 that are not deterministic, plus its own.
+    backward: the backward cases above at head dims up to 128 that are not deterministic, plus its own.
 
 Shapes are small (a sanitizer slows kernels 10-100x) and mostly bf16, so that the kernels they need
 are few (prebuilt by scripts/sanitize.sh with `flashgen build --filter`). The checks and input
@@ -202,6 +202,9 @@ def test_sanitize_bwd(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
     pytest.param(300, 1023, 8, 2, 64, dict(LOCAL, softcap=5.0), id="sm90-bwd-gqa8_2-sq300-sk1023-d64-local-softcap"),
     pytest.param(1023, 129, 4, 1, 128, CAUSAL, id="sm90-bwd-mqa4_1-sq1023-sk129-d128-causal"),
     pytest.param(1, 300, 4, 4, 128, NONE, id="sm90-bwd-sq1-sk300-d128"),
+    # Head dims below the instance's: the TMA's zero columns, dK/dV and dQ cut to the call's width.
+    pytest.param(300, 257, 4, 2, 40, CAUSAL, id="sm90-bwd-gqa-sq300-sk257-d40-causal"),
+    pytest.param(129, 300, 2, 2, 96, NONE, id="sm90-bwd-sq129-sk300-d96"),
 ])
 def test_sanitize_bwd_sm90(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask):
     """Shapes for the sm90 backward's edges on Hopper (elsewhere the sm80 backward): query blocks of

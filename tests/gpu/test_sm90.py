@@ -13,6 +13,7 @@ import torch
 
 import flashgen
 from flashgen.runtime import interface
+from flashgen.runtime.backward import sm90_bwd_instance_head_dim
 from flashgen.runtime.dispatch import sm90_instance_head_dim
 from test_fwd import (  # noqa: F401 (_seed: autouse)
     DTYPE_NAMES, _seed, assert_feature_matters, call_poisoned, check_against_ref, make_qkv,
@@ -309,7 +310,7 @@ def test_sm90_varlen_packgqa(monkeypatch, launched, mask):
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, **MASKS[mask])
 
 
-# ---- The sm90 backward (bwd_sm90.cuh): dense calls at d64/d128, every mask, softcap, ALiBi, GQA.
+# ---- The sm90 backward (bwd_sm90.cuh): dense and varlen calls up to d128, every mask, softcap, ALiBi, GQA.
 # The rest of the backward suite (test_bwd.py) runs it too wherever dispatch picks it; here each
 # case checks that it really ran, holds dq, dk, dv to FlashAttention's rule and compares them with
 # the sm80 backward's on the same inputs and output gradient.
@@ -344,7 +345,8 @@ def _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, 
     dout = torch.randn_like(q)
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     grads = flash_grads(flashgen.flash_attn_func, (q, k, v), dout, **kwargs)
-    uri = (f"flash_bwd_sm90_hdim{head_dim}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
+    instance = sm90_bwd_instance_head_dim(head_dim)
+    uri = (f"flash_bwd_sm90_hdim{instance}_{DTYPE_NAMES[dtype]}{'' if mask == 'none' else '_' + mask}"
            f"{'_softcap' if kwargs.get('softcap') else ''}_sm90a")
     assert uri in launched, f"{kwargs} ran {launched}, not the sm90 backward"
     checked = check_grads(q, k, v, dout, grads, **kwargs)
@@ -367,6 +369,17 @@ def test_sm90_bwd(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, s
     _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k)
 
 
+# Head dims below an instance's (multiples of 8): the next instance up, the TMA zero-filling the
+# columns past the tensor's and dropping the dQ tile's, dK/dV stored for the call's columns.
+@pytest.mark.parametrize("kwargs, mask", [BWD_FEATURES[0], BWD_FEATURES[1], BWD_FEATURES[6]])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 120], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=DTYPE_NAMES.get)
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [BWD_SHAPES[0], BWD_SHAPES[3]])
+def test_sm90_bwd_head_dim_below_the_instance(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q,
+                                              seqlen_k, nheads, nheads_k):
+    _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k)
+
+
 @pytest.mark.parametrize("kwargs", [
     pytest.param({"deterministic": True}, id="deterministic"),
     pytest.param({"dropout_p": 0.1}, id="dropout"),
@@ -380,7 +393,8 @@ def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched, kwargs):
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
-@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.float16), (128, torch.bfloat16), (96, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16", "d96-bf16"])
 @pytest.mark.parametrize("lengths", ["ragged", "longer-q", "many-units"])
 def test_sm90_bwd_varlen(monkeypatch, launched, lengths, head_dim, dtype, mask):
     # Sequences are rows of one tensor: a block's rows past its sequence are the next sequence's,
@@ -398,23 +412,23 @@ def test_sm90_bwd_varlen(monkeypatch, launched, lengths, head_dim, dtype, mask):
     dout = torch.randn_like(q)
     dout[-extra:] = float("nan")
     grads = varlen_grads(q, k, v, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k), dout, **MASKS[mask])
-    assert any(u.startswith(f"flash_bwd_sm90_hdim{head_dim}_") for u in launched), launched
+    instance = sm90_bwd_instance_head_dim(head_dim)
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{instance}_") for u in launched), launched
     check_sequence_grads(q, k, v, dout, [g[:-extra] for g in grads], lengths_q, lengths_k, **MASKS[mask])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, not fixed: under varlen the sm90 backward's dQ tile of a sequence's last query block "
-    "covers the next sequence's first rows, which take 0 * inf = NaN from an inf or NaN in this "
-    "sequence's K or V (the sm80 backward does not write them; bwd_sm90.cuh, the dQ thread)"))
-def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched):
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched, head_dim):
     from test_varlen import cu, varlen_grads
 
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    lengths_q, lengths_k = [100, 200], [150, 200]  # d64: 128-query blocks, so block 0 holds 28 rows of sequence 1
-    q, k, v = (torch.randn(sum(n), 4, 64, dtype=torch.bfloat16, device="cuda") for n in (lengths_q, lengths_k, lengths_k))
+    # Query blocks of 128 (d64) or 64 (d128): either way sequence 0's last block holds 28 rows of sequence 1.
+    lengths_q, lengths_k = [100, 200], [150, 200]
+    q, k, v = (torch.randn(sum(n), 4, head_dim, dtype=torch.bfloat16, device="cuda")
+               for n in (lengths_q, lengths_k, lengths_k))
     v[5] = float("nan")  # sequence 0's gradients are NaN; sequence 1's must not be
     dout = torch.randn_like(q)
     grads = varlen_grads(q, k, v, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k), dout)
-    assert any(u.startswith("flash_bwd_sm90_hdim64_") for u in launched), launched
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{head_dim}_") for u in launched), launched
     for name, g, (start, end) in zip(("dq", "dk", "dv"), grads, ((100, 300), (150, 350), (150, 350))):
         assert torch.isfinite(g[start:end]).all(), f"{name} of sequence 1 is not finite"
