@@ -346,7 +346,7 @@ def _demo_specs() -> list[KernelSpec]:
     return [
         s for s in matrix.all_specs(directions=["fwd"], archs=DEMO_ARCHS)
         if s.dtype == "bf16" and s.head_dim in DEMO_HEAD_DIMS and s.mask in DEMO_MASKS
-        and not s.softcap and not s.pack_gqa and not s.paged and not s.decode and not s.dropout
+        and not s.softcap and not s.pack_gqa and not s.paged and not s.decode and not s.dropout and not s.split
     ]
 
 

@@ -237,13 +237,41 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 
 @pytest.mark.parametrize("change", [
     dict(pack_gqa=True, nheads=12, nheads_k=2),  # a group of 6: 128 % 6
-    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(num_splits=2), dict(paged=True),
+    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(seqlen_q=1, num_splits=0), dict(paged=True),
     dict(paged=True, varlen=True),
     dict(dropout=True), dict(seqlen_k=0),
 ])
 def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
     chosen = plan(sm90=True, **change)
     assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec), chosen.spec
+
+
+def test_sm90_forward_split_kv():
+    from flashgen.generator.tiles import fwd_tile
+    from flashgen.runtime import heuristics
+    from flashgen.runtime.dispatch import MAX_SPLITS
+
+    block_n = fwd_tile("sm90", "sm_90a", 128).block_n
+    n_blocks = -(-8192 // block_n)
+    # Forced: N units per tile (one per share of the key blocks) on the persistent grid.
+    forced = plan(sm90=True, batch=1, nheads=4, nheads_k=4, seqlen_q=300, seqlen_k=8192, num_splits=3)
+    assert forced.spec.family == "sm90" and forced.num_splits == 3
+    assert forced.grid == (3 * 4 * 3, 1, 1)  # row blocks x heads x splits, below the 132 SMs
+    # Clamped to the sm90 tile's key blocks, and to counts that leave no share empty.
+    few_keys = plan(sm90=True, seqlen_k=3 * block_n - 1, num_splits=16)
+    assert few_keys.spec.family == "sm90" and few_keys.num_splits == 3
+    assert plan(sm90=True, seqlen_k=5 * block_n, num_splits=4).num_splits == 3  # shares of 2, 2, 1 blocks
+    # 1000 -> MAX_SPLITS (128) shares of ceil(300 / 128) = 3 blocks -> 100 shares that all get keys.
+    assert plan(sm90=True, seqlen_k=300 * block_n, num_splits=1000).num_splits == 100
+    # The heuristic, with the sm90 geometry: one CTA per SM, the sm90 tile's rows and key blocks.
+    chosen = plan(sm90=True, batch=1, nheads=4, nheads_k=4, seqlen_q=300, seqlen_k=8192, num_splits=0)
+    expected = heuristics.num_splits_heuristic(3 * 4, 132, n_blocks, 3, 8192 * 128 * 4, False, MAX_SPLITS,
+                                               l2_bytes=50 * 2**20)
+    assert chosen.spec.family == "sm90" and chosen.num_splits == -(-n_blocks // -(-n_blocks // expected)) > 1
+    # Causal pairs row blocks; the split count multiplies the units.
+    causal = plan(sm90=True, batch=1, nheads=2, nheads_k=2, seqlen_q=1024, seqlen_k=1024, causal=True, num_splits=2)
+    assert causal.spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_split_sm90a" and causal.grid == (4 * 2 * 2, 1, 1)
+    assert plan(sm90=True, num_splits=1).spec.uri == "flash_fwd_sm90_hdim128_bf16_sm90a"  # no split: its own instance
 
 
 def test_sm90_tiles_fit_and_match_the_kernel_layout():

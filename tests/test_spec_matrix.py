@@ -13,7 +13,7 @@ from flashgen.generator.spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, Ke
 URI_PATTERN = re.compile(
     r"flash_(?P<direction>fwd|bwd|append|combine|bwd_pre|bwd_post)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
     r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?(?P<paged>_paged)?"
-    r"(?P<decode>_decode)?(?P<dropout>_dropout)?_(?P<arch>sm\d+a?)"
+    r"(?P<decode>_decode)?(?P<dropout>_dropout)?(?P<split>_split)?_(?P<arch>sm\d+a?)"
 )
 # softcap, pack_gqa, paged, decode; plus the dropout variants of the unpaged, non-decode ones
 FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * (2 * 2 * 2 * 2 + 2 * 2)
@@ -21,7 +21,7 @@ BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dro
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 # The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
-SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2 * 2  # softcap, PackGQA, split
 SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
 
 
@@ -42,6 +42,7 @@ def test_uris_unique_and_readable():
         assert bool(match["paged"]) == spec.paged
         assert bool(match["decode"]) == spec.decode
         assert bool(match["dropout"]) == spec.dropout
+        assert bool(match["split"]) == spec.split
         assert match["arch"] == spec.arch.replace("_", "")
 
 
@@ -63,6 +64,9 @@ def test_spec_round_trips_and_rejects_bad_fields():
         KernelSpec("fwd", "sm80", "sm_80", "fp32", 128)
     with pytest.raises(ValueError, match="dropout"):
         KernelSpec("fwd", "sm80", "sm_80", "bf16", 128, paged=True, dropout=True)
+    with pytest.raises(ValueError, match="split"):
+        KernelSpec("fwd", "sm80", "sm_80", "bf16", 128, split=True)  # sm80 splits at run time
+    assert KernelSpec("fwd", "sm90", "sm_90a", "bf16", 128, split=True).uri == "flash_fwd_sm90_hdim128_bf16_split_sm90a"
 
 
 def test_matrix_counts():

@@ -69,11 +69,12 @@ def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
         if dropout and (paged or decode):  # dropout is for training (see spec.py)
             continue
         yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
-    for arch, dtype, head_dim, mask, softcap, pack_gqa in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags
+    # sm90: split-KV is an instance switch (fwd_sm90.cuh: kSplit), so calls without it run no code of it.
+    for arch, dtype, head_dim, mask, softcap, pack_gqa, split in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags, flags
     ):
         if archs is None or arch in archs:
-            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa)
+            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa, split=split)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

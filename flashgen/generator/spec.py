@@ -70,6 +70,7 @@ class KernelSpec:
     paged: bool = False
     decode: bool = False
     dropout: bool = False
+    split: bool = False  # sm90 forward: split-KV partials (the sm80 forward takes num_splits at run time)
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -90,9 +91,10 @@ class KernelSpec:
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
             if self.family == "sm90" and (self.paged or self.decode or self.dropout):
                 raise ValueError(f"the sm90 family has no paging, decode or dropout: {self}")
-        elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout) != (
-            0, "none", False, False, False, False, False
-        ):
+            if self.split and (self.family != "sm90" or self.direction != "fwd"):
+                raise ValueError(f"split instances are the sm90 forward's: {self}")
+        elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout,
+              self.split) != (0, "none", False, False, False, False, False, False):
             raise ValueError(f"{self.direction} kernels take the head dim at run time and no switches: {self}")
         if not self.arch.startswith("sm_"):
             raise ValueError(f"arch must look like 'sm_80' or 'sm_90a', got {self.arch!r}")
@@ -116,6 +118,8 @@ class KernelSpec:
             parts.append("decode")
         if self.dropout:
             parts.append("dropout")
+        if self.split:
+            parts.append("split")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 

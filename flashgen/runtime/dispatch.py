@@ -160,6 +160,21 @@ def plan_fwd(
     if dropout and paged:
         raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
     decode = rows <= DECODE_MAX_ROWS and not dropout
+    # The heuristic's packing, for a group that does not divide an sm90 tile's rows: unpacked sm90.
+    sm90_pack = pack and (pack_gqa is not None or SM90_BLOCK_M % qhead_per_khead == 0)
+    # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
+    if allow_sm90 and seqlen_k > 0 and sm90_covers(
+        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
+        decode=decode, varlen=varlen, dropout=dropout,
+    ):
+        sm90_plan = _plan_fwd_sm90(
+            arch=arch, dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            nheads=nheads, nheads_k=nheads_k, mask=mask, window_left=window_left, window_right=window_right,
+            softcap=softcap, pack=sm90_pack, device=device, num_splits=num_splits, varlen=varlen,
+            varlen_uniform=varlen_uniform,
+        )
+        if sm90_plan is not None:
+            return sm90_plan
     tile = fwd_tile(family, arch, d_instance, mask, decode)
     heads = nheads_k if pack else nheads
     m_blocks = max(1, -(-rows // tile.block_m))
@@ -191,32 +206,45 @@ def plan_fwd(
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, dropout=dropout,
         )
-    # The heuristic's packing, for a group that does not divide an sm90 tile's rows: unpacked sm90.
-    sm90_pack = pack and (pack_gqa is not None or SM90_BLOCK_M % qhead_per_khead == 0)
-    # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
-    if allow_sm90 and num_splits == 1 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
-        decode=decode, varlen=varlen, dropout=dropout,
-    ):
-        sm90_head_dim = sm90_instance_head_dim(head_dim)
-        sm90_tile = fwd_tile("sm90", arch, sm90_head_dim)
-        # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
-        # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
-        # packed, a tile's rows are the (query, head) pairs of one KV head.
-        group = qhead_per_khead if sm90_pack else 1
-        row_blocks = -(-seqlen_q * group // sm90_tile.block_m)
-        units = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * (nheads_k if sm90_pack else nheads) * batch
-        # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
-        # static schedule cannot balance them (a short sequence's units past its end are empty):
-        # one CTA per unit, handed out by the hardware as CTAs finish. Sequences all of one length
-        # keep the persistent grid, whose K/V loads run ahead into the next unit (H200, bf16: 16 x
-        # 1024 tokens 6-11% faster than one CTA per unit; 16 ragged d256 causal 0.61x of it).
-        ctas = units if varlen and not varlen_uniform else min(units, device.num_sms)
-        # The kernel counts rows, work units and each CTA's next unit (its last + the grid) in
-        # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
-        if seqlen_q * group + sm90_tile.block_m < 2**31 and units + ctas < 2**31:
-            spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, sm90_pack)
-            return FwdPlan(spec, sm90_tile, (ctas, 1, 1), 1, window_left, window_right)
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)
+
+
+def _plan_fwd_sm90(
+    *, arch, dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask, window_left, window_right,
+    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform,
+) -> FwdPlan | None:
+    """plan_fwd for a call the sm90 forward covers, or None where the kernel's 32-bit counters
+    could overflow (the sm80 grid serves those). ``num_splits`` as plan_fwd takes it."""
+    sm90_head_dim = sm90_instance_head_dim(head_dim)
+    tile = fwd_tile("sm90", arch, sm90_head_dim)
+    # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
+    # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
+    # packed, a tile's rows are the (query, head) pairs of one KV head. With split-KV each tile is
+    # num_splits units, one per share of the key blocks.
+    group = nheads // nheads_k if pack else 1
+    heads = nheads_k if pack else nheads
+    row_blocks = -(-seqlen_q * group // tile.block_m)
+    n_blocks = -(-seqlen_k // tile.block_n)
+    tiles = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * heads * batch  # units unsplit
+    if num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
+        num_splits = heuristics.num_splits_heuristic(
+            tiles, device.num_sms, n_blocks, row_blocks,
+            seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
+        )
+    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    num_splits = -(-n_blocks // -(-n_blocks // num_splits))  # only splits that get key blocks
+    units = tiles * num_splits
+    # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
+    # static schedule cannot balance them (a short sequence's units past its end are empty):
+    # one CTA per unit, handed out by the hardware as CTAs finish. Sequences all of one length
+    # keep the persistent grid, whose K/V loads run ahead into the next unit (H200, bf16: 16 x
+    # 1024 tokens 6-11% faster than one CTA per unit; 16 ragged d256 causal 0.61x of it).
+    ctas = units if varlen and not varlen_uniform else min(units, device.num_sms)
+    # The kernel counts rows, work units and each CTA's next unit (its last + the grid) in
+    # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
+    if seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
+        return None
+    spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, pack, split=num_splits > 1)
+    return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, window_left, window_right)

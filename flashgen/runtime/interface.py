@@ -216,9 +216,9 @@ def run_fwd(
         oaccum = lseaccum = None
     # An sm90 instance wider than the call (a head dim between two instances) stores all of its
     # columns: into a padded O (zeroed where the kernel writes no rows: past seqused_q), whose
-    # call's columns are copied out after the launch.
+    # call's columns are copied out after the launch. (Its split-KV partials have the call's.)
     padded_out = None
-    if plan.spec.head_dim > head_dim and plan.spec.family == "sm90":
+    if plan.spec.head_dim > head_dim and plan.spec.family == "sm90" and splits == 1:
         alloc = torch.empty if seqused_q is None else torch.zeros
         padded_out = alloc((*out.shape[:-1], plan.spec.head_dim), dtype=out.dtype, device=out.device)
     o_tensor = out if padded_out is None else padded_out

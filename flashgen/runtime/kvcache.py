@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from .. import config
+from ..generator import matrix
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS
 from . import params as params_mod
-from . import validate
+from . import tma, validate
 from .device import device_index, device_info
 from .dispatch import plan_fwd
 from .interface import _aligned, _launch, launch_combine, run_fwd
@@ -63,6 +64,10 @@ def flash_attn_with_kvcache(
         nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=tuple(window_size),
         softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged, num_splits=int(num_splits),
         family=config.forced_family(),
+        # Calls with more query rows than the decode tile's, on a contiguous cache, may take the
+        # sm90 forward (cache_seqlens, cache_batch_idx and leftpad are its seqused_k, K/V batch
+        # index and key offset); decode and paged calls run the sm80 family.
+        sm90=not paged and info.capability[0] == 9 and tma.compatible(q, k_cache, v_cache),
     )
     validate.grid(plan, "k_cache")
 
@@ -73,7 +78,7 @@ def flash_attn_with_kvcache(
             q, q_attn, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             block_table, rotary_dim=rotary_dim, seqlen_new=seqlen_new, capacity=capacity,
             cache_batch=cache_batch, page_size=page_size, interleaved=bool(rotary_interleaved),
-            q_rotary_per_row=plan.spec.mask != "none", arch=plan.spec.arch, family=plan.spec.family,
+            q_rotary_per_row=plan.spec.mask != "none", arch=plan.spec.arch, family=matrix.BASE_FAMILY,
             index=index,
         )
     run_fwd(

@@ -24,8 +24,10 @@
 //
 // Masks (causal, local), softcap and ALiBi come from common.cuh and the sequences' rows (varlen,
 // seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide 128; head dims
-// 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Not yet
-// here (the sm80 family serves those calls): paged K/V, split-KV, dropout; and of
+// 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Split-KV:
+// a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
+// and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
+// Not yet here (the sm80 family serves those calls): paged K/V, dropout; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
 // branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
 #pragma once
@@ -47,7 +49,7 @@ struct Sm90FwdParams {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_, int kProducerRegs_, int kConsumerRegs_>
+          bool kPackGQA_, bool kSplit_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
@@ -61,6 +63,11 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // head fastest: packed row r is query r / G of head kv_head * G + r % G. Q arrives by one 5-D
     // TMA box (64 columns, G heads, 128 / G queries), so G divides 128 (dispatch.sm90_covers).
     static constexpr bool kPackGQA = kPackGQA_;
+    // Split-KV: a work unit is also one share of the key blocks, and writes fp32 partials. An
+    // instance switch rather than a run-time one: each of two run-time forms cost calls without
+    // splits on the H200 (a branch per tile: 4-6% under the causal mask; two copies of the body in
+    // one kernel: 20-30% on few, long tiles).
+    static constexpr bool kSplit = kSplit_;
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
@@ -83,6 +90,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
     constexpr Mask kMask = Tr::kMask;
     constexpr bool kCausal = kMask == Mask::Causal;
+    constexpr bool kSplit = Tr::kSplit;
     FwdParams const& params = args.p;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -115,12 +123,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     int const group = Tr::kPackGQA ? qhpk.divisor : 1;     // query heads in a tile's rows
     int const tile_heads = Tr::kPackGQA ? params.nheads_k : params.nheads;
     int const m_blocks = (params.max_seqlen_q * group + kBlockM - 1) / kBlockM;
-    int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head)
-    int const units = pairs * tile_heads * params.batch;
+    int const pairs = kCausal ? (m_blocks + 1) / 2 : m_blocks;  // units per (batch, head, split)
+    int const num_splits = kSplit ? params.num_splits : 1;
+    int const units = pairs * num_splits * tile_heads * params.batch;
     // Packed row -> query position (its head is the rest); the identity without PackGQA.
     auto query_pos = [&](int row) { return Tr::kPackGQA ? qhpk.div(row) : row; };
     struct Tile {
-        int m0, bidh, bidb, n_block_min, n_block_max;  // bidh: the KV head under PackGQA
+        int m0, bidh, bidb, split, n_block_min, n_block_max;  // bidh: the KV head under PackGQA
         SeqExtent seq;  // the sequence's rows (seq_extent.cuh)
     };
     // Slot i of this CTA: 1 and its tile, 0 for the missing second half of a lone middle row
@@ -129,8 +138,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         int const half = kCausal ? slot & 1 : 0;
         int const unit = (kCausal ? slot >> 1 : slot) * int(gridDim.x) + int(blockIdx.x);
         if (unit >= units) return -1;
-        int const bh = unit / pairs;
-        int const p = unit - bh * pairs;
+        // Row blocks fastest, then splits: the CTAs at work together share a split's K/V in L2.
+        int const bhs = unit / pairs;
+        int const p = unit - bhs * pairs;
+        int const bh = kSplit ? bhs / num_splits : bhs;
+        tile.split = bhs - bh * num_splits;
         int const m_block = kCausal ? (half ? p : m_blocks - 1 - p) : p;
         if (kCausal && half && m_block == m_blocks - 1 - p) return 0;
         tile.bidb = bh / tile_heads;
@@ -143,7 +155,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             key_blocks<kMask>(query_pos(tile.m0), query_pos(min(tile.m0 + kBlockM, rows) - 1),
                               tile.seq.seqlen_k - tile.seq.seqlen_q, tile.seq.seqlen_k, kBlockN, window_left, window_right);
         tile.n_block_min = blocks.begin;
-        tile.n_block_max = max(blocks.end, blocks.begin);  // no blocks: rows that see no key
+        tile.n_block_max = blocks.end;
+        if constexpr (kSplit) {  // this split's share of the sequence's key blocks
+            int const per_split = ((tile.seq.seqlen_k + kBlockN - 1) / kBlockN + num_splits - 1) / num_splits;
+            tile.n_block_min = max(tile.n_block_min, tile.split * per_split);
+            tile.n_block_max = min(tile.n_block_max, (tile.split + 1) * per_split);
+        }
+        tile.n_block_max = max(tile.n_block_max, tile.n_block_min);  // no blocks: rows that see no key
         return 1;
     };
 
@@ -372,7 +390,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         diag = seqlen_k - seqlen_q;
         n_block_max = tile.n_block_max;
         int const n_blocks = n_block_max - tile.n_block_min;
-        int const bidh = tile.bidh, bidb = tile.bidb;
+        int const bidh = tile.bidh, bidb = tile.bidb, split = tile.split;
         int const rows = seqlen_q * group;  // the tile's rows past this are not stored
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -494,6 +512,35 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global;
         // the sequence's rows start at q_offset (varlen); a packed row is (query, head).
         int const q_offset = tile.seq.q_offset;
+        if constexpr (kSplit) {
+            // fp32 partials (split, row, head, d) with rows numbered across the batch, the call's
+            // head_dim columns: the layout the combine reads (run_fwd), shared with the sm80 family.
+            int64_t const partial_row0 =
+                split * params.partial_rows + (varlen_q ? q_offset : int64_t(bidb) * params.seqlen_q);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float const sum = quad_allreduce_sum<4>(row_sum[half]);
+                float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+                if (row0 + 8 * half < rows) {
+                    int64_t const index = (partial_row0 + row_pos[half]) * params.nheads + row_head[half];
+                    float* o_row = reinterpret_cast<float*>(params.oaccum_ptr) + index * params.head_dim;
+#pragma unroll
+                    for (int i = 0; i < kHeadDim / 8; ++i) {
+                        int const col = i * 8 + 2 * (lane % 4);
+                        if (col < params.head_dim) {
+                            *reinterpret_cast<float2*>(o_row + col) =
+                                make_float2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
+                        }
+                    }
+                    if (lane % 4 == 0) {
+                        reinterpret_cast<float*>(params.lseaccum_ptr)[index] =
+                            sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                    }
+                }
+            }
+            ++tile_count;
+            continue;
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[half]);

@@ -38,7 +38,7 @@ import torch
 import flashgen
 from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref
 from test_bwd import check_bwd, check_grads, flash_grads
-from test_fwd import _seed, call_poisoned, check_fwd, make_qkv  # noqa: F401  (_seed: autouse, a seed per test id)
+from test_fwd import _seed, call_poisoned, check_against_ref, check_fwd, make_qkv  # noqa: F401  (_seed: autouse, a seed per test id)
 from test_kvcache import Case, check_combine, check_kvcache, make_kwargs, random_partials
 
 pytestmark = pytest.mark.gpu
@@ -146,6 +146,18 @@ def test_sanitize_fwd_sm90(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
     slopes = torch.rand(2, nheads, device=q.device) * 0.3 + 0.01
     check_fwd(q, k, v, pack_gqa=False, alibi_slopes=slopes, **mask)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, num_splits", [
+    pytest.param(300, 1023, 8, 2, 128, CAUSAL, 3, id="sm90-split3-gqa8_2-sq300-sk1023-d128-causal"),
+    # Most shares see no key (the window); d96 writes the call's 96 partial columns of the d128 tile.
+    pytest.param(129, 1500, 4, 4, 96, LOCAL, 7, id="sm90-split7-sq129-sk1500-d96-local33_7"),
+])
+def test_sanitize_fwd_sm90_split(seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, num_splits):
+    """The sm90 forward's split-KV partials (on other GPUs the sm80 family's) and their combine."""
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, num_splits=num_splits, **mask)
+    check_against_ref(out, lse, q, k, v, **mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +284,10 @@ KVCACHE_CASES = [
     _kv_case("page1-d256-gqa16_2-append1", page_size=1, head_dim=256, nheads=16, nheads_k=2),
     _kv_case("page17-d40-mqa8_1-append1-rotary_neox_half", page_size=17, head_dim=40, nheads_k=1,
              rotary_fraction=0.5),
+    # Chunked prefill on a contiguous cache: the sm90 forward on Hopper (TMA rows past cache_seqlens,
+    # the batch index and left pad as map coordinates), split in three.
+    _kv_case("sm90-contiguous-sq70-append70-leftpad-batch_idx-nan_outside-splits3", seqlen_q=70, seqlen_new=70,
+             capacity=700, leftpad=True, batch_idx=True, nan_outside_valid=True, num_splits=3),
 ]
 
 

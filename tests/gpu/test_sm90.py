@@ -1,7 +1,8 @@
 """GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
 
 The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
-with head dim 64/128/256 and no paging, split-KV or dropout); here it is held to FlashAttention's
+with head dim up to 256 and no paging or dropout, and the KV-cache calls with more query rows than
+the decode tile's on a contiguous cache); here it is held to FlashAttention's
 rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
 cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
 and compared with the sm80 family forced on the same inputs.
@@ -149,18 +150,86 @@ def test_sm90_features(monkeypatch, launched, dtype, head_dim, kwargs, mask, bat
     torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
 
 
-@pytest.mark.parametrize("head_dim, kwargs", [
-    pytest.param(96, {"num_splits": 3}, id="d96-split"),
-    pytest.param(192, {"causal": True, "num_splits": 2}, id="d192-causal-split"),
+SPLIT_CASES = [  # (head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, kwargs)
+    pytest.param(128, 2, 300, 2047, 8, 2, {}, id="d128-gqa4-packed"),
+    pytest.param(64, 1, 1023, 1023, 4, 4, {"causal": True}, id="d64-causal"),
+    pytest.param(96, 2, 113, 3000, 4, 1, {"window_size": (700, 60)}, id="d96-mqa-local"),
+    pytest.param(192, 1, 129, 1500, 4, 4, {"causal": True, "softcap": 30.0}, id="d192-causal-softcap"),
+    pytest.param(256, 1, 200, 900, 2, 2, {"alibi": True}, id="d256-alibi"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 2, 3, 7], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, kwargs", SPLIT_CASES)
+def test_sm90_split_kv(monkeypatch, launched, num_splits, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k,
+                       kwargs):
+    # Split-KV on the sm90 forward: each share of the key blocks writes fp32 partials (the call's
+    # columns, for a head dim below the instance's too), merged by the combine kernel; shares that
+    # see no key (the local window, causal rows) must add nothing.
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.bfloat16)
+    kwargs = dict(kwargs)
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, num_splits=num_splits, **kwargs)
+    assert launched[0].startswith(f"flash_fwd_sm90_hdim{sm90_instance_head_dim(head_dim)}_"), launched
+    # A forced count always splits these shapes; the heuristic (0) may keep one share.
+    assert launched[1:] == [] and num_splits == 0 or (
+        len(launched) == 2 and launched[1].startswith("flash_combine_")), launched
+    checked = check_against_ref(out, lse, q, k, v, **kwargs)
+    # The same call unsplit (one sm90 launch) agrees within the rule's tolerance.
+    unsplit, lse1 = call_poisoned(flashgen.flash_attn_func, q, k, v, num_splits=1, **kwargs)
+    assert launched[-1].startswith("flash_fwd_sm90_"), launched
+    bound = 2 * checked.rule_k * (checked.out_pt.float() - checked.out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - unsplit.float()).abs().max().item() <= bound
+    torch.testing.assert_close(lse, lse1, rtol=0, atol=1e-3)
+
+
+def test_sm90_split_kv_varlen(monkeypatch, launched):
+    # Varlen with split-KV: per-sequence shares of the keys; rows past seqused_q get 0 and -inf
+    # (no share writes them).
+    from test_varlen import check_sequences, ragged, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = [300, 1, 0, 257], [1000, 300, 5, 2048]
+    used_q, used_k = [200, 1, 0, 129], [999, 1, 0, 1500]
+    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16)
+    used = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
+                seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, causal=True, pack_gqa=False, num_splits=3,
+                          **used)
+    assert launched[0] == "flash_fwd_sm90_hdim128_bf16_causal_split_sm90a" and launched[1].startswith("flash_combine_"), launched
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q, used_k, causal=True)
+
+
+@pytest.mark.parametrize("c", [
+    "sq100-new100", "sq100-nonew-gqa32_8-splits3", "sq100-new100-rotary-leftpad-batch_idx",
+    "sq77-new13-local-nan_outside", "d96-sq64-new64-alibi-splits2",
 ])
-def test_sm90_leaves_what_it_lacks_to_sm80(launched, head_dim, kwargs):
-    # Split-KV (partials merged by the combine kernel) is not in the sm90 forward yet.
-    q, k, v = make_qkv(1, 128, 512, 4, 4, head_dim, torch.bfloat16)
-    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, **kwargs)
-    mask_kwargs = {key: val for key, val in kwargs.items() if key != "num_splits"}
-    check_against_ref(out, lse, q, k, v, **mask_kwargs)
-    assert len(launched) == (2 if "num_splits" in kwargs else 1), launched
-    assert launched[0].startswith("flash_fwd_sm80_") and all(u.startswith("flash_combine_") for u in launched[1:])
+def test_sm90_kvcache(monkeypatch, launched, c):
+    # flash_attn_with_kvcache calls with more query rows than the decode tile's, on a contiguous
+    # cache, take the sm90 forward: cache_seqlens (+ the appended tokens) as seqused_k, the batch
+    # index as the K/V batch, the left pad as the first key; the append (and rotary) kernel first.
+    import dataclasses
+
+    from test_kvcache import Case, check_kvcache, make_kwargs
+
+    cases = {
+        "sq100-new100": Case(seqlen_q=100, seqlen_new=100, capacity=600),
+        "sq100-nonew-gqa32_8-splits3": Case(seqlen_q=100, seqlen_new=0, capacity=3000, nheads=32, nheads_k=8,
+                                            num_splits=3),
+        "sq100-new100-rotary-leftpad-batch_idx": Case(seqlen_q=100, seqlen_new=100, capacity=600, rotary_fraction=0.5,
+                                                      leftpad=True, batch_idx=True),
+        "sq77-new13-local-nan_outside": Case(seqlen_q=77, seqlen_new=13, capacity=900, causal=False,
+                                             window_size=(300, 20), leftpad=True, nan_outside_valid=True),
+        "d96-sq64-new64-alibi-splits2": Case(seqlen_q=64, seqlen_new=64, capacity=1000, head_dim=96, alibi="bh",
+                                             num_splits=2),
+    }
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    case = dataclasses.replace(cases[c], batch=3)
+    checked = check_kvcache(make_kwargs(case))
+    assert any(u.startswith("flash_fwd_sm90_") for u in launched), launched
+    assert checked.out.isfinite().all()
 
 
 def test_no_keys_takes_sm80(monkeypatch, launched):
