@@ -100,6 +100,15 @@ def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seql
     return "local", left_eff, right_eff
 
 
+def _splits_with_keys(num_splits: int, n_blocks: int) -> int:
+    """A split count clamped to 1 .. min(n_blocks, MAX_SPLITS), then lowered to the splits that get
+    key blocks: each takes ceil(n_blocks / num_splits) of them (both forward families), so some
+    counts leave the last ones empty (16 blocks in 14 splits: 8 of 2 blocks, 6 empty). Same work
+    per CTA, fewer CTAs and partials to combine."""
+    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
+    return -(-n_blocks // -(-n_blocks // num_splits))
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_fwd(
     *,
@@ -193,11 +202,7 @@ def plan_fwd(
             filled = min(slots // total_mblocks, max_splits)
             if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
                 num_splits = max(num_splits, filled)
-    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
-    # Each split takes ceil(n_blocks / num_splits) key blocks (fwd_sm80.cuh), so some counts leave
-    # the last splits without keys (16 blocks in 14 splits: 8 of 2 blocks, 6 empty). Launch only
-    # the splits that get blocks: same work per CTA, fewer CTAs and partials to combine.
-    num_splits = -(-n_blocks // -(-n_blocks // num_splits))
+    num_splits = _splits_with_keys(num_splits, n_blocks)
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
         # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
         return plan_fwd(
@@ -233,8 +238,7 @@ def _plan_fwd_sm90(
             tiles, device.num_sms, n_blocks, row_blocks,
             seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
         )
-    num_splits = max(1, min(num_splits, n_blocks, MAX_SPLITS))
-    num_splits = -(-n_blocks // -(-n_blocks // num_splits))  # only splits that get key blocks
+    num_splits = _splits_with_keys(num_splits, n_blocks)
     units = tiles * num_splits
     # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
     # static schedule cannot balance them (a short sequence's units past its end are empty):

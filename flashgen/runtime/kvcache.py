@@ -7,7 +7,7 @@ import torch
 from .. import config
 from ..generator import matrix
 from ..generator.spec import KernelSpec
-from ..generator.tiles import ROW_KERNEL_WARPS
+from ..generator.tiles import DECODE_MAX_ROWS, ROW_KERNEL_WARPS
 from . import params as params_mod
 from . import tma, validate
 from .device import device_index, device_info
@@ -66,8 +66,10 @@ def flash_attn_with_kvcache(
         family=config.forced_family(),
         # Calls with more query rows than the decode tile's, on a contiguous cache, may take the
         # sm90 forward (cache_seqlens, cache_batch_idx and leftpad are its seqused_k, K/V batch
-        # index and key offset); decode and paged calls run the sm80 family.
-        sm90=not paged and info.capability[0] == 9 and tma.compatible(q, k_cache, v_cache),
+        # index and key offset); decode and paged calls run the sm80 family. (The TMA checks cost
+        # microseconds of Python: not on decode steps, whose rows, even packed, fit the decode tile.)
+        sm90=not paged and info.capability[0] == 9 and seqlen_q * (nheads // nheads_k) > DECODE_MAX_ROWS
+        and tma.compatible(q, k_cache, v_cache),
     )
     validate.grid(plan, "k_cache")
 
