@@ -7,6 +7,7 @@ SDPA's is_causal is top-left aligned, so its causal times are not comparable wit
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -49,13 +50,14 @@ def long_keys(nheads: int = 16) -> None:
         k, v = (torch.randn(batch, seqlen_k, nheads, HEAD_DIM, dtype=DTYPE, device="cuda") for _ in range(2))
         flops = 4 * batch * nheads * seqlen_q * seqlen_k * HEAD_DIM * (0.5 if causal else 1)
         times = {
-            name: with_family(family, lambda: flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=splits))
+            name: with_family(family, functools.partial(flashgen.flash_attn_func, q, k, v, causal=causal,
+                                                    num_splits=splits))
             for name, family, splits in [("sm90_nosplit", None, 1), ("sm90_split0", None, 0), ("sm80_split0", "sm80", 0)]
         }
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             times["cudnn"] = microseconds(
-                lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=causal))
         unsplit = flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=1)
         split = flashgen.flash_attn_func(q, k, v, causal=causal, num_splits=0)
         plan = plan_fwd(dtype=DTYPE, head_dim=HEAD_DIM, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -78,8 +80,8 @@ def chunked_prefill(nheads: int = 32, nheads_k: int = 8) -> None:
                             for _ in range(2))
         seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         times = {
-            name: with_family(family, lambda: flashgen.flash_attn_with_kvcache(
-                q, k_cache, v_cache, cache_seqlens=seqlens, causal=True))
+            name: with_family(family, functools.partial(
+                flashgen.flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens, causal=True))
             for name, family in [("sm90", None), ("sm80", "sm80")]
         }
         kv_bytes = batch * length * nheads_k * HEAD_DIM * 2 * 2
