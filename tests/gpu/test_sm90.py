@@ -232,6 +232,43 @@ def test_sm90_kvcache(monkeypatch, launched, c):
     assert checked.out.isfinite().all()
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k", [
+    pytest.param(64, 2, 300, 1023, 4, 4, id="d64"), pytest.param(128, 1, 1023, 257, 8, 2, id="d128-gqa4"),
+    pytest.param(96, 2, 113, 300, 4, 1, id="d96-mqa"), pytest.param(256, 1, 129, 700, 2, 2, id="d256"),
+])
+def test_sm90_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    # The sm90 dropout instance (unpacked, unsplit) draws common.cuh's Philox mask from each
+    # element's (batch, head, query, key): the reference with the host's copy of that mask holds
+    # it to the rule, and the sm80 family forced with the same RNG state agrees with it.
+    from test_dropout import MASKS, mask_for, next_rng_state
+
+    from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.bfloat16)
+    p = 0.3
+    torch.cuda.manual_seed(1234)
+    rng_state = next_rng_state()
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, dropout_p=p, **MASKS[mask])
+    instance = sm90_instance_head_dim(head_dim)
+    suffix = "" if mask == "none" else "_" + mask
+    assert launched == [f"flash_fwd_sm90_hdim{instance}_bf16{suffix}_dropout_sm90a"], launched
+    kwargs = dict(MASKS[mask], dropout_mask=mask_for(rng_state, p, q, k), dropout_p=p)
+    out_ref, lse_ref = attention_ref(q, k, v, **kwargs)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, **kwargs)
+    assert_close_fa_rule(out, out_ref, out_pt, k=2.0)
+    assert_lse_close(lse, lse_ref)
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    torch.cuda.manual_seed(1234)
+    out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, dropout_p=p, **MASKS[mask])
+    assert launched[1].startswith("flash_fwd_sm80_") and launched[1].endswith("_dropout_sm90a"), launched
+    bound = 4 * (out_pt.float() - out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - out80.float()).abs().max().item() <= bound
+    torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
+
+
 def test_no_keys_takes_sm80(monkeypatch, launched):
     # seqlen_k = 0 with more than 32 rows: nothing for the TMA to map; the sm80 kernel writes the
     # zeros and the -inf lse.
