@@ -253,6 +253,10 @@ def test_sm90_forward_dropout():
     assert chosen.spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_dropout_sm90a" and chosen.num_splits == 1
     gqa = plan(sm90=True, dropout=True, nheads=16, nheads_k=2, seqlen_q=64, seqlen_k=4096)
     assert gqa.spec.uri == "flash_fwd_sm90_hdim128_bf16_dropout_sm90a", gqa.spec.uri
+    # The split heuristic (num_splits=0) stays unsplit on sm90; a forced split goes to sm80.
+    few_tiles = dict(sm90=True, dropout=True, batch=1, nheads=4, nheads_k=4, seqlen_q=300, seqlen_k=16384)
+    assert plan(**few_tiles, num_splits=0).spec.uri == "flash_fwd_sm90_hdim128_bf16_dropout_sm90a"
+    assert plan(**few_tiles, num_splits=3).spec.family == "sm80"
 
 
 def test_sm90_forward_split_kv():

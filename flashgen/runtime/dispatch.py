@@ -236,13 +236,15 @@ def _plan_fwd_sm90(
     row_blocks = -(-seqlen_q * group // tile.block_m)
     n_blocks = -(-seqlen_k // tile.block_n)
     tiles = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * heads * batch  # units unsplit
-    if num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
+    if num_splits == 0 and dropout:
+        num_splits = 1  # no split dropout instance: the heuristic's choice stays on sm90 unsplit
+    elif num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
         num_splits = heuristics.num_splits_heuristic(
             tiles, device.num_sms, n_blocks, row_blocks,
             seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
         )
     num_splits = _splits_with_keys(num_splits, n_blocks)
-    if dropout and num_splits > 1:
+    if dropout and num_splits > 1:  # asked for: the sm80 family splits with dropout
         return None
     units = tiles * num_splits
     # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
