@@ -239,11 +239,24 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
     dict(pack_gqa=True, nheads=12, nheads_k=2),  # a group of 6: 128 % 6
     dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(seqlen_q=1, num_splits=0), dict(paged=True),
     dict(paged=True, varlen=True),
-    dict(dropout=True), dict(seqlen_k=0),
+    dict(dropout=True, pack_gqa=True, nheads_k=4), dict(dropout=True, num_splits=3), dict(seqlen_k=0),
 ])
 def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
     chosen = plan(sm90=True, **change)
     assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec), chosen.spec
+
+
+def test_sm90_forward_dropout():
+    # Training with dropout on Hopper: the unpacked, unsplit sm90 dropout instance; the heuristic's
+    # packing gives way (no packed dropout instance).
+    chosen = plan(sm90=True, dropout=True, causal=True)
+    assert chosen.spec.uri == "flash_fwd_sm90_hdim128_bf16_causal_dropout_sm90a" and chosen.num_splits == 1
+    gqa = plan(sm90=True, dropout=True, nheads=16, nheads_k=2, seqlen_q=64, seqlen_k=4096)
+    assert gqa.spec.uri == "flash_fwd_sm90_hdim128_bf16_dropout_sm90a", gqa.spec.uri
+    # The split heuristic (num_splits=0) stays unsplit on sm90; a forced split goes to sm80.
+    few_tiles = dict(sm90=True, dropout=True, batch=1, nheads=4, nheads_k=4, seqlen_q=300, seqlen_k=16384)
+    assert plan(**few_tiles, num_splits=0).spec.uri == "flash_fwd_sm90_hdim128_bf16_dropout_sm90a"
+    assert plan(**few_tiles, num_splits=3).spec.family == "sm80"
 
 
 def test_sm90_forward_split_kv():

@@ -57,7 +57,7 @@ def render_instance(spec: KernelSpec) -> str:
     if spec.direction == "bwd":
         tile = bwd_tile(spec.family, spec.arch, spec.head_dim)
     else:
-        tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode)
+        tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode, spec.dropout)
     # What every attention instance (forward of either family, backward) takes from its spec and tile.
     attention = dict(
         common,
@@ -82,7 +82,7 @@ def render_instance(spec: KernelSpec) -> str:
     if spec.family == "sm90":
         return _env().get_template("fwd_sm90_instance.cu.j2").render(
             **attention, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
-            split=_cpp_bool(spec.split), producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
+            split=_cpp_bool(spec.split), dropout=_cpp_bool(spec.dropout), producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
         )
     return _env().get_template("fwd_instance.cu.j2").render(
         **attention,

@@ -44,8 +44,8 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 MASKS = ("none", "causal", "local")
 # sm80: mma.sync + cp.async, every feature, every target (sm_80, sm_86, sm_90a). sm90: the Hopper
 # forward and backward (wgmma + TMA, warp-specialized; fwd_sm90.cuh, bwd_sm90.cuh), sm_90a only, for
-# the calls their instances cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA, split-KV;
-# no paging, decode tile or dropout; the backward: head dims up to the largest of matrix.SM90_BWD_HEAD_DIMS,
+# the calls their instances cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA, split-KV,
+# dropout unpacked and unsplit; no paging or decode tile; the backward: head dims up to the largest of matrix.SM90_BWD_HEAD_DIMS,
 # dense and varlen calls without seqused, not deterministic);
 # everything else keeps sm80.
 FAMILIES = ("sm80", "sm90")
@@ -89,8 +89,10 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
-            if self.family == "sm90" and (self.paged or self.decode or self.dropout):
-                raise ValueError(f"the sm90 family has no paging, decode or dropout: {self}")
+            if self.family == "sm90" and (self.paged or self.decode):
+                raise ValueError(f"the sm90 family has no paging or decode: {self}")
+            if self.family == "sm90" and self.dropout and (self.direction != "fwd" or self.pack_gqa or self.split):
+                raise ValueError(f"sm90 dropout is the unpacked, unsplit forward's: {self}")
             if self.split and (self.family != "sm90" or self.direction != "fwd"):
                 raise ValueError(f"split instances are the sm90 forward's: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout,

@@ -248,11 +248,18 @@ def sm90_mma_widths() -> tuple[int, ...]:
     return tuple(sorted(widths))
 
 
-def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False) -> FwdTile:
+def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False,
+             dropout: bool = False) -> FwdTile:
     if family == "sm90":
         if decode or head_dim not in _FWD_SM90:
             raise ValueError(f"the sm90 family has no forward tile for head_dim {head_dim} (decode={decode})")
         tile = _FWD_SM90[head_dim]
+        if dropout:
+            # Each 16-key chunk of a row draws a Philox block, and their state does not fit next to
+            # the overlap's second S, nor in 256-key blocks: the consumers' block loop spilled 31
+            # values at d128 causal with the overlap and 239 at d64 with 256 keys, none without
+            # (NVRTC 13.0).
+            tile = dataclasses.replace(tile, overlap=False, block_n=min(tile.block_n, 128))
         assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
         return tile
     if family != "sm80":

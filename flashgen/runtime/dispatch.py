@@ -74,10 +74,11 @@ def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: in
     """Whether the sm90 forward has an instance for a call: any head dim up to the largest instance's
     (sm90_instance_head_dim), any mask, softcap or not, dense or varlen, PackGQA when the group
     divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads), and none
-    of the features it does not have yet (paged K/V, the decode tile and its split-KV, dropout)."""
+    of the features it does not have yet (paged K/V, the decode tile and its split-KV, dropout with
+    PackGQA: the dropout instances are unpacked)."""
     return (sm90_instance_head_dim(head_dim) is not None and mask in matrix.SM90_FWD_MASKS
             and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
-            and not (paged or decode or dropout))
+            and not (paged or decode or (dropout and pack_gqa)))
 
 
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):
@@ -169,8 +170,9 @@ def plan_fwd(
     if dropout and paged:
         raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
     decode = rows <= DECODE_MAX_ROWS and not dropout
-    # The heuristic's packing, for a group that does not divide an sm90 tile's rows: unpacked sm90.
-    sm90_pack = pack and (pack_gqa is not None or SM90_BLOCK_M % qhead_per_khead == 0)
+    # The heuristic's packing, for a group that does not divide an sm90 tile's rows or with dropout
+    # (no packed dropout instance): unpacked sm90.
+    sm90_pack = pack and (pack_gqa is not None or (SM90_BLOCK_M % qhead_per_khead == 0 and not dropout))
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and seqlen_k > 0 and sm90_covers(
         head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
@@ -180,7 +182,7 @@ def plan_fwd(
             arch=arch, dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             nheads=nheads, nheads_k=nheads_k, mask=mask, window_left=window_left, window_right=window_right,
             softcap=softcap, pack=sm90_pack, device=device, num_splits=num_splits, varlen=varlen,
-            varlen_uniform=varlen_uniform,
+            varlen_uniform=varlen_uniform, dropout=dropout,
         )
         if sm90_plan is not None:
             return sm90_plan
@@ -218,12 +220,13 @@ def plan_fwd(
 
 def _plan_fwd_sm90(
     *, arch, dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask, window_left, window_right,
-    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform,
+    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform, dropout,
 ) -> FwdPlan | None:
     """plan_fwd for a call the sm90 forward covers, or None where the kernel's 32-bit counters
-    could overflow (the sm80 grid serves those). ``num_splits`` as plan_fwd takes it."""
+    could overflow or dropout meets split-KV (no such instance): the sm80 grid serves those.
+    ``num_splits`` as plan_fwd takes it."""
     sm90_head_dim = sm90_instance_head_dim(head_dim)
-    tile = fwd_tile("sm90", arch, sm90_head_dim)
+    tile = fwd_tile("sm90", arch, sm90_head_dim, dropout=dropout)
     # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
     # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
     # packed, a tile's rows are the (query, head) pairs of one KV head. With split-KV each tile is
@@ -233,12 +236,16 @@ def _plan_fwd_sm90(
     row_blocks = -(-seqlen_q * group // tile.block_m)
     n_blocks = -(-seqlen_k // tile.block_n)
     tiles = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * heads * batch  # units unsplit
-    if num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
+    if num_splits == 0 and dropout:
+        num_splits = 1  # no split dropout instance: the heuristic's choice stays on sm90 unsplit
+    elif num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
         num_splits = heuristics.num_splits_heuristic(
             tiles, device.num_sms, n_blocks, row_blocks,
             seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
         )
     num_splits = _splits_with_keys(num_splits, n_blocks)
+    if dropout and num_splits > 1:  # asked for: the sm80 family splits with dropout
+        return None
     units = tiles * num_splits
     # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
     # static schedule cannot balance them (a short sequence's units past its end are empty):
@@ -250,5 +257,6 @@ def _plan_fwd_sm90(
     # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
     if seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
         return None
-    spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, pack, split=num_splits > 1)
+    spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, pack, dropout=dropout,
+                      split=num_splits > 1)
     return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, window_left, window_right)

@@ -27,7 +27,8 @@
 // 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Split-KV:
 // a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
-// Not yet here (the sm80 family serves those calls): paged K/V, dropout; and of
+// Dropout (unpacked, unsplit instances): common.cuh's Philox mask on P after the row sums. Not yet
+// here (the sm80 family serves those calls): paged K/V; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
 // branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
 #pragma once
@@ -49,7 +50,7 @@ struct Sm90FwdParams {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_, bool kSplit_, int kProducerRegs_, int kConsumerRegs_>
+          bool kPackGQA_, bool kSplit_, bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
@@ -68,6 +69,10 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // splits on the H200 (a branch per tile: 4-6% under the causal mask; two copies of the body in
     // one kernel: 20-30% on few, long tiles).
     static constexpr bool kSplit = kSplit_;
+    // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so the sm80
+    // backward regenerates what this kernel drew.
+    static constexpr bool kDropout = kDropout_;
+    static_assert(!(kDropout && (kSplit || kPackGQA)), "dropout instances are unpacked and unsplit");
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
@@ -254,6 +259,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     int m0 = 0, row0 = 0, n_block_max = 0;
     int seqlen_q = 0, seqlen_k = 0, diag = 0;  // the tile's sequence
     int row_pos[2], row_head[2];  // the thread's two rows (row0, row0 + 8): query position, query head
+    uint32_t row_bh[2];           // and batch * nheads + head: dropout's counter
+    Dropout const dropout = Dropout::from(params);
     float alibi_slope[2];         // their ALiBi slopes in score units; 0 without ALiBi
     const float* alibi_slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     float acc_o[kORegs];
@@ -337,6 +344,22 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 }
             row_sum[half] = row_sum[half] * correction[half] + sum;
         }
+        // Dropout after the row sums (the softmax normalizes over every key): a dropped
+        // probability becomes 0, the kept ones are scaled by 1 / (1 - p) in the epilogue. Slabs
+        // 2c and 2c + 1 are the thread's keys of 16-key chunk c.
+        if constexpr (Tr::kDropout) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int c = 0; c < kBlockN / 16; ++c) {
+                    uint4 const bytes = dropout.chunk(row_bh[half], row_pos[half], key0 / 16 + c);
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (!dropout.keep(bytes, n * 8 + 2 * (lane % 4) + e)) s[(2 * c + n) * 4 + 2 * half + e] = 0.f;
+                }
+        }
     };
     // The rows of a tile's first key block (the last in key order) past the sequence's keys: the
     // next sequence's under varlen, or rows a shorter seqused_k leaves unused (the TMA stops only
@@ -403,6 +426,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 row_pos[half] = row;
                 row_head[half] = bidh;
             }
+            row_bh[half] = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(row_head[half]);
             alibi_slope[half] = alibi_slopes != nullptr && row < rows
                                     ? alibi_slopes[bidb * params.alibi_batch_stride + row_head[half]] * params.alibi_scale
                                     : 0.f;
@@ -544,7 +568,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[half]);
-            float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            float const inv_sum = sum > 0.f ? __frcp_rn(sum) * (Tr::kDropout ? params.rp_dropout : 1.f) : 0.f;
             if (row0 + 8 * half < rows) {
                 int const pos = q_offset + row_pos[half], head = row_head[half];
                 T* o_row = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride +

@@ -1,8 +1,8 @@
 """GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
 
 The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
-with head dim up to 256 and no paging or dropout, and the KV-cache calls with more query rows than
-the decode tile's on a contiguous cache); here it is held to FlashAttention's
+with head dim up to 256 and no paging (dropout: unpacked, unsplit), and the KV-cache calls with
+more query rows than the decode tile's on a contiguous cache); here it is held to FlashAttention's
 rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
 cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
 and compared with the sm80 family forced on the same inputs.
@@ -230,6 +230,53 @@ def test_sm90_kvcache(monkeypatch, launched, c):
     checked = check_kvcache(make_kwargs(case))
     assert any(u.startswith("flash_fwd_sm90_") for u in launched), launched
     assert checked.out.isfinite().all()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra", [
+    pytest.param(64, 2, 300, 1023, 4, 4, torch.bfloat16, {}, id="d64"),
+    pytest.param(128, 1, 1023, 257, 8, 2, torch.bfloat16, {}, id="d128-gqa4"),
+    pytest.param(96, 2, 113, 300, 4, 1, torch.float16, {}, id="d96-mqa-fp16"),
+    pytest.param(256, 1, 129, 700, 2, 2, torch.bfloat16, {}, id="d256"),
+    pytest.param(192, 2, 200, 333, 4, 2, torch.bfloat16, {"softcap": 20.0, "alibi": True}, id="d192-softcap-alibi"),
+])
+def test_sm90_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype,
+                      extra):
+    # The sm90 dropout instance (unpacked, unsplit) draws common.cuh's Philox mask from each
+    # element's (batch, head, query, key): the reference with the host's copy of that mask holds
+    # it to the rule, and the sm80 family forced with the same RNG state agrees with it.
+    from test_dropout import MASKS, mask_for, next_rng_state
+
+    from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    p = 0.3
+    features = dict(MASKS[mask])
+    if extra.get("softcap"):
+        features["softcap"] = extra["softcap"]
+    if extra.get("alibi"):
+        features["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    torch.cuda.manual_seed(1234)
+    rng_state = next_rng_state()
+    out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, dropout_p=p, **features)
+    instance = sm90_instance_head_dim(head_dim)
+    suffix = ("" if mask == "none" else "_" + mask) + ("_softcap" if "softcap" in features else "")
+    assert launched == [f"flash_fwd_sm90_hdim{instance}_{DTYPE_NAMES[dtype]}{suffix}_dropout_sm90a"], launched
+    kwargs = dict(features, dropout_mask=mask_for(rng_state, p, q, k), dropout_p=p)
+    out_ref, lse_ref = attention_ref(q, k, v, **kwargs)
+    out_pt, _ = attention_ref(q, k, v, upcast=False, **kwargs)
+    rule_k = 5.0 if "alibi_slopes" in features else 2.0
+    assert_close_fa_rule(out, out_ref, out_pt, k=rule_k)
+    assert_lse_close(lse, lse_ref)
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    torch.cuda.manual_seed(1234)
+    out80, lse80 = call_poisoned(flashgen.flash_attn_func, q, k, v, dropout_p=p, **features)
+    assert launched[1].startswith("flash_fwd_sm80_") and launched[1].endswith("_dropout_sm90a"), launched
+    bound = 2 * rule_k * (out_pt.float() - out_ref.float()).abs().max().item() + 2e-5
+    assert (out.float() - out80.float()).abs().max().item() <= bound
+    torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
 
 
 def test_no_keys_takes_sm80(monkeypatch, launched):
