@@ -21,7 +21,8 @@ BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dro
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 # The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
-SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2 * 2  # softcap, PackGQA, split
+# softcap, PackGQA, paged, split
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * 2 * 2 * 2 * 2
 SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
 
 
@@ -81,7 +82,8 @@ def test_matrix_counts():
     sm90_fwd = [s for s in sm90 if s.direction == "fwd"]
     sm90_bwd = [s for s in sm90 if s.direction == "bwd"]
     assert len(sm90_fwd) == SM90_FWD and len(sm90_bwd) == SM90_BWD
-    assert all(s.arch == "sm_90a" and not (s.paged or s.decode or s.dropout) for s in sm90)
+    assert all(s.arch == "sm_90a" and not (s.decode or s.dropout) for s in sm90)
+    assert all(s.direction == "fwd" for s in sm90 if s.paged)
     assert all(s.head_dim in matrix.SM90_FWD_HEAD_DIMS for s in sm90_fwd)
     assert all(s.head_dim in matrix.SM90_BWD_HEAD_DIMS and not s.pack_gqa for s in sm90_bwd)
     for specs in (sm90_fwd, sm90_bwd):
@@ -122,13 +124,14 @@ def test_every_capability_maps_into_the_matrix():
         assert matrix.target_arch(major, minor) in matrix.ALL_ARCHS
 
 
-@pytest.mark.parametrize("change", [dict(paged=True), dict(decode=True), dict(dropout=True)])
-def test_sm90_spec_has_no_paging_decode_or_dropout(change):
+@pytest.mark.parametrize("change", [dict(direction="bwd", paged=True), dict(decode=True), dict(dropout=True)])
+def test_sm90_spec_has_no_backward_paging_decode_or_dropout(change):
     fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")
     KernelSpec(**fields)  # the plain forward is valid, also with a local mask and softcap
     KernelSpec(**{**fields, "mask": "local", "softcap": True, "pack_gqa": True})
     KernelSpec(**{**fields, "direction": "bwd", "mask": "causal", "softcap": True})  # and the backward
-    with pytest.raises(ValueError, match="sm90 family"):
+    KernelSpec(**{**fields, "paged": True, "pack_gqa": True, "split": True})  # the paged forward
+    with pytest.raises(ValueError, match="sm90"):
         KernelSpec(**{**fields, **change})
     with pytest.raises(ValueError, match="PackGQA"):
         KernelSpec(**{**fields, "direction": "bwd", "pack_gqa": True})

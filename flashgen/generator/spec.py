@@ -89,8 +89,10 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
-            if self.family == "sm90" and (self.paged or self.decode or self.dropout):
-                raise ValueError(f"the sm90 family has no paging, decode or dropout: {self}")
+            if self.family == "sm90" and (self.decode or self.dropout):
+                raise ValueError(f"the sm90 family has no decode or dropout instance: {self}")
+            if self.family == "sm90" and self.paged and self.direction != "fwd":
+                raise ValueError(f"the sm90 backward has no paged K/V: {self}")
             if self.split and (self.family != "sm90" or self.direction != "fwd"):
                 raise ValueError(f"split instances are the sm90 forward's: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout,
