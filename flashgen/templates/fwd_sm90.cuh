@@ -204,6 +204,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 int const k_row0 = tile.seq.k_offset, k_batch = varlen_k ? 0 : tile.seq.kv_b;
                 // Paged: block n is row n * kBlockN % page_size of page pages[n * kBlockN / page_size].
                 // An entry past the cache's pages gets the TMA's zero fill, not another tensor's rows.
+                // (Keys start at the first page's row 0: a left pad, which would shift blocks across
+                // pages, never reaches a paged instance: kvcache.py keeps those calls on sm80.)
                 const int* pages = reinterpret_cast<const int*>(params.block_table_ptr) +
                                    int64_t(tile.bidb) * params.block_table_batch_stride;
                 int const n_blocks = tile.n_block_max - tile.n_block_min;

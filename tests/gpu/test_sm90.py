@@ -235,6 +235,7 @@ def test_sm90_kvcache(monkeypatch, launched, c):
 @pytest.mark.parametrize("c", [
     "page256-sq100-new100", "page256-sq100-nonew-gqa32_8-splits3", "page512-d64-sq64-new64-rotary",
     "page256-sq77-new13-local-nan_outside", "page128-d96-sq64-new64-alibi-splits2", "page256-leftpad-takes-sm80",
+    "page64-d256-fp16-softcap-nan_outside", "page192-d192-gqa-splits3-nan_outside",
 ])
 def test_sm90_kvcache_paged(monkeypatch, launched, c):
     # A paged cache whose pages hold whole key blocks of the sm90 tile: each block is one TMA box
@@ -255,6 +256,12 @@ def test_sm90_kvcache_paged(monkeypatch, launched, c):
         "page128-d96-sq64-new64-alibi-splits2": Case(seqlen_q=64, seqlen_new=64, capacity=1000, head_dim=96, alibi="bh",
                                                      num_splits=2, page_size=128),
         "page256-leftpad-takes-sm80": Case(seqlen_q=64, seqlen_new=64, capacity=700, leftpad=True, page_size=256),
+        # d256's 64-key and d192's 96-key blocks: several per page, the last one cut by the cache length.
+        "page64-d256-fp16-softcap-nan_outside": Case(seqlen_q=40, seqlen_new=40, capacity=500, head_dim=256,
+                                                     dtype=torch.float16, softcap=30.0, nan_outside_valid=True,
+                                                     page_size=64),
+        "page192-d192-gqa-splits3-nan_outside": Case(seqlen_q=50, seqlen_new=7, capacity=1000, head_dim=192, nheads=16,
+                                                     nheads_k=4, num_splits=3, nan_outside_valid=True, page_size=192),
     }
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     case = dataclasses.replace(cases[c], batch=3)
