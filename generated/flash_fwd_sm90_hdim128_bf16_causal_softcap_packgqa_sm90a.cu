@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim128_bf16_causal_softcap_packgqa_sm90a(const __grid_constant__
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockN=*/128, /*kStages=*/2,
         /*kOverlap=*/true, flashgen::Mask::Causal, /*kSoftcap=*/true,
-        /*kPackGQA=*/true, /*kSplit=*/false, /*kDropout=*/false,
+        /*kPackGQA=*/true, /*kSplit=*/false, /*kPaged=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

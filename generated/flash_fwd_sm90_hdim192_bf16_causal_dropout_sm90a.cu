@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim192_bf16_causal_dropout_sm90a(const __grid_constant__ flashge
         flashgen::bfloat16_t,
         /*kHeadDim=*/192, /*kBlockN=*/96, /*kStages=*/2,
         /*kOverlap=*/false, flashgen::Mask::Causal, /*kSoftcap=*/false,
-        /*kPackGQA=*/false, /*kSplit=*/false, /*kDropout=*/true,
+        /*kPackGQA=*/false, /*kSplit=*/false, /*kPaged=*/false, /*kDropout=*/true,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim192_fp16_local_sm90a(const __grid_constant__ flashgen::Sm90Fw
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockN=*/96, /*kStages=*/2,
         /*kOverlap=*/true, flashgen::Mask::Local, /*kSoftcap=*/false,
-        /*kPackGQA=*/false, /*kSplit=*/false, /*kDropout=*/false,
+        /*kPackGQA=*/false, /*kSplit=*/false, /*kPaged=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim192_fp16_softcap_split_sm90a(const __grid_constant__ flashgen
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockN=*/96, /*kStages=*/2,
         /*kOverlap=*/true, flashgen::Mask::None, /*kSoftcap=*/true,
-        /*kPackGQA=*/false, /*kSplit=*/true, /*kDropout=*/false,
+        /*kPackGQA=*/false, /*kSplit=*/true, /*kPaged=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

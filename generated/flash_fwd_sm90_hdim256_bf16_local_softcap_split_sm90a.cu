@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim256_bf16_local_softcap_split_sm90a(const __grid_constant__ fl
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockN=*/64, /*kStages=*/2,
         /*kOverlap=*/true, flashgen::Mask::Local, /*kSoftcap=*/true,
-        /*kPackGQA=*/false, /*kSplit=*/true, /*kDropout=*/false,
+        /*kPackGQA=*/false, /*kSplit=*/true, /*kPaged=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

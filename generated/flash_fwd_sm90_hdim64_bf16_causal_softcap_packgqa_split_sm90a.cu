@@ -11,7 +11,7 @@ flash_fwd_sm90_hdim64_bf16_causal_softcap_packgqa_split_sm90a(const __grid_const
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockN=*/256, /*kStages=*/2,
         /*kOverlap=*/false, flashgen::Mask::Causal, /*kSoftcap=*/true,
-        /*kPackGQA=*/true, /*kSplit=*/true, /*kDropout=*/false,
+        /*kPackGQA=*/true, /*kSplit=*/true, /*kPaged=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");

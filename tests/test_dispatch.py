@@ -259,6 +259,23 @@ def test_sm90_forward_dropout():
     assert plan(**few_tiles, num_splits=3).spec.family == "sm80"
 
 
+def test_sm90_forward_paged():
+    # Pages that hold whole key blocks of the sm90 tile: one TMA box per block (fwd_sm90.cuh).
+    from flashgen.generator.tiles import fwd_tile
+
+    block_n = {d: fwd_tile("sm90", "sm_90a", d).block_n for d in (64, 128)}
+    paged = plan(sm90=True, paged=True, page_size=256, nheads_k=4, seqlen_q=100, seqlen_k=4096)
+    assert paged.spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_paged_sm90a", paged.spec.uri
+    assert plan(sm90=True, paged=True, page_size=2 * block_n[128], num_splits=3).spec.uri == (
+        "flash_fwd_sm90_hdim128_bf16_paged_split_sm90a")
+    # Other page sizes (any must work) and a missing page size: the sm80 family's gather.
+    for page_size in (0, 16, block_n[128] + 16):
+        assert plan(sm90=True, paged=True, page_size=page_size).spec.family == "sm80", page_size
+    # d64's 256-key blocks: pages of 128 straddle them.
+    assert plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64] // 2).spec.family == "sm80"
+    assert plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64]).spec.family == "sm90"
+
+
 def test_sm90_forward_split_kv():
     from flashgen.generator.tiles import fwd_tile
     from flashgen.runtime import heuristics

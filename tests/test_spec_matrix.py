@@ -21,8 +21,8 @@ BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dro
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 # The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
-# softcap x PackGQA x split, plus dropout for the unpacked, unsplit ones (softcap)
-SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * (2 * 2 * 2 + 2)
+# softcap x PackGQA x paged x split, plus dropout for the unpacked, unsplit, unpaged ones (softcap)
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * (2 * 2 * 2 * 2 + 2)
 SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
 
 
@@ -82,8 +82,9 @@ def test_matrix_counts():
     sm90_fwd = [s for s in sm90 if s.direction == "fwd"]
     sm90_bwd = [s for s in sm90 if s.direction == "bwd"]
     assert len(sm90_fwd) == SM90_FWD and len(sm90_bwd) == SM90_BWD
-    assert all(s.arch == "sm_90a" and not (s.paged or s.decode) for s in sm90)
-    assert all(not (s.pack_gqa or s.split) and s.direction == "fwd" for s in sm90 if s.dropout)
+    assert all(s.arch == "sm_90a" and not s.decode for s in sm90)
+    assert all(s.direction == "fwd" for s in sm90 if s.paged)
+    assert all(not (s.pack_gqa or s.split or s.paged) and s.direction == "fwd" for s in sm90 if s.dropout)
     assert all(s.head_dim in matrix.SM90_FWD_HEAD_DIMS for s in sm90_fwd)
     assert all(s.head_dim in matrix.SM90_BWD_HEAD_DIMS and not s.pack_gqa for s in sm90_bwd)
     for specs in (sm90_fwd, sm90_bwd):
@@ -125,15 +126,16 @@ def test_every_capability_maps_into_the_matrix():
 
 
 @pytest.mark.parametrize("change, error", [
-    (dict(paged=True), "sm90 family"), (dict(decode=True), "sm90 family"),
+    (dict(direction="bwd", paged=True), "backward"), (dict(decode=True), "sm90 family"),
     (dict(dropout=True, pack_gqa=True), "sm90 dropout"), (dict(dropout=True, split=True), "sm90 dropout"),
-    (dict(dropout=True, direction="bwd"), "sm90 dropout|dropout"),
+    (dict(dropout=True, paged=True), "dropout is for training"), (dict(dropout=True, direction="bwd"), "sm90 dropout|dropout"),
 ])
-def test_sm90_spec_has_no_paging_decode_or_packed_dropout(change, error):
+def test_sm90_spec_has_no_backward_paging_decode_or_packed_dropout(change, error):
     fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")
     KernelSpec(**fields)  # the plain forward is valid, also with a local mask and softcap
     KernelSpec(**{**fields, "mask": "local", "softcap": True, "pack_gqa": True})
     KernelSpec(**{**fields, "direction": "bwd", "mask": "causal", "softcap": True})  # and the backward
+    KernelSpec(**{**fields, "paged": True, "pack_gqa": True, "split": True})  # the paged forward
     KernelSpec(**{**fields, "mask": "causal", "dropout": True})  # the unpacked, unsplit forward with dropout
     with pytest.raises(ValueError, match=error):
         KernelSpec(**{**fields, **change})

@@ -69,15 +69,16 @@ def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
         if dropout and (paged or decode):  # dropout is for training (see spec.py)
             continue
         yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
-    # sm90: split-KV is an instance switch (fwd_sm90.cuh: kSplit), so calls without it run no code of it;
-    # dropout (training) for the unpacked, unsplit ones.
-    for arch, dtype, head_dim, mask, softcap, pack_gqa, split, dropout in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags, flags, flags
+    # sm90: split-KV and paged K/V are instance switches (fwd_sm90.cuh: kSplit, kPaged), so calls
+    # without them run no code of them; dropout (training) for the unpacked, unsplit, unpaged ones.
+    for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, split, dropout in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags, flags, flags, flags
     ):
-        if dropout and (pack_gqa or split):
+        if dropout and (pack_gqa or split or paged):
             continue
         if archs is None or arch in archs:
-            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa, dropout=dropout, split=split)
+            yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa, paged,
+                             dropout=dropout, split=split)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -89,8 +89,8 @@ class KernelSpec:
                 raise ValueError(f"the backward has no PackGQA, paged or decode variants: {self}")
             if self.dropout and (self.paged or self.decode):
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
-            if self.family == "sm90" and (self.paged or self.decode):
-                raise ValueError(f"the sm90 family has no paging or decode: {self}")
+            if self.family == "sm90" and self.decode:
+                raise ValueError(f"the sm90 family has no decode tile: {self}")
             if self.family == "sm90" and self.dropout and (self.direction != "fwd" or self.pack_gqa or self.split):
                 raise ValueError(f"sm90 dropout is the unpacked, unsplit forward's: {self}")
             if self.split and (self.family != "sm90" or self.direction != "fwd"):

@@ -27,8 +27,9 @@
 // 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Split-KV:
 // a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
-// Dropout (unpacked, unsplit instances): common.cuh's Philox mask on P after the row sums. Not yet
-// here (the sm80 family serves those calls): paged K/V; and of
+// Paged K/V: page sizes that are multiples of kBlockN, by TMA (kPaged). Dropout (unpacked,
+// unsplit, unpaged instances): common.cuh's Philox mask on P after the row sums. Not yet here (the
+// sm80 family serves those calls): other page sizes and left pads with paging; and of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
 // branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
 #pragma once
@@ -50,7 +51,7 @@ struct Sm90FwdParams {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_, bool kSplit_, bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
+          bool kPackGQA_, bool kSplit_, bool kPaged_, bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
@@ -69,10 +70,14 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // splits on the H200 (a branch per tile: 4-6% under the causal mask; two copies of the body in
     // one kernel: 20-30% on few, long tiles).
     static constexpr bool kSplit = kSplit_;
+    // Paged K/V ((pages, page_size, heads, d) caches, a block table per sequence): each K/V block
+    // lies within one page (the host sends only page sizes that are multiples of kBlockN and no
+    // left pad), so a block is one TMA box at (row in page, head, page).
+    static constexpr bool kPaged = kPaged_;
     // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so the sm80
     // backward regenerates what this kernel drew.
     static constexpr bool kDropout = kDropout_;
-    static_assert(!(kDropout && (kSplit || kPackGQA)), "dropout instances are unpacked and unsplit");
+    static_assert(!(kDropout && (kSplit || kPackGQA || kPaged)), "dropout instances are unpacked, unsplit and unpaged");
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).
     static constexpr bool kOverlap = kOverlap_;
     static constexpr int kPanels = kHeadDim / 64;  // 64-column, 128-byte swizzled panels
@@ -153,7 +158,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         tile.bidb = bh / tile_heads;
         tile.bidh = bh - tile.bidb * tile_heads;
         tile.m0 = m_block * kBlockM;
-        tile.seq = seq_extent</*kPaged=*/false>(params, tile.bidb);
+        tile.seq = seq_extent<Tr::kPaged>(params, tile.bidb);
         int const rows = tile.seq.seqlen_q * group;
         if (tile.m0 >= rows) return 0;
         KeyBlocks const blocks =
@@ -202,6 +207,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 // zeroed (clear_v_tail).
                 int const q_row0 = tile.seq.q_offset + tile.m0, q_batch = varlen_q ? 0 : tile.bidb;
                 int const k_row0 = tile.seq.k_offset, k_batch = varlen_k ? 0 : tile.seq.kv_b;
+                // Paged: block n is row n * kBlockN % page_size of page pages[n * kBlockN / page_size].
+                // An entry past the cache's pages gets the TMA's zero fill, not another tensor's rows.
+                // (Keys start at the first page's row 0: a left pad, which would shift blocks across
+                // pages, never reaches a paged instance: kvcache.py keeps those calls on sm80.)
+                const int* pages = reinterpret_cast<const int*>(params.block_table_ptr) +
+                                   int64_t(tile.bidb) * params.block_table_batch_stride;
                 int const n_blocks = tile.n_block_max - tile.n_block_min;
                 // Block `it` of the tile into the ring's next stage, once both consumers have
                 // released that stage's previous block.
@@ -209,19 +220,26 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                     int const n_block = tile.n_block_max - 1 - it;
                     int const stage = used % kStages;
                     uint32_t const parity = ((used / kStages) & 1) ^ 1;  // the previous use's phase
+                    int kv_row = k_row0 + n_block * kBlockN, kv_batch = k_batch;
+                    if constexpr (Tr::kPaged) {
+                        int row_in_page;
+                        int const page_index = params.page_size.divmod(row_in_page, n_block * kBlockN);
+                        kv_batch = pages[page_index];
+                        kv_row = row_in_page;
+                    }
                     if (used >= kStages) mbar_wait(empty_k(stage), parity);
                     mbar_arrive_expect_tx(full_k(stage), Tr::kKVBytes);
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sK(stage) + p * Tr::kPanelKVBytes, &args.tma_k, full_k(stage), p * 64,
-                                    k_row0 + n_block * kBlockN, bidh_kv, k_batch);
+                                    kv_row, bidh_kv, kv_batch);
                     }
                     if (used >= kStages) mbar_wait(empty_v(stage), parity);
                     mbar_arrive_expect_tx(full_v(stage), Tr::kKVBytes);
 #pragma unroll
                     for (int p = 0; p < Tr::kPanels; ++p) {
                         tma_load_4d(sV(stage) + p * Tr::kPanelKVBytes, &args.tma_v, full_v(stage), p * 64,
-                                    k_row0 + n_block * kBlockN, bidh_kv, k_batch);
+                                    kv_row, bidh_kv, kv_batch);
                     }
                     ++used;
                 };

@@ -288,6 +288,10 @@ KVCACHE_CASES = [
     # the batch index and left pad as map coordinates), split in three.
     _kv_case("sm90-contiguous-sq70-append70-leftpad-batch_idx-nan_outside-splits3", seqlen_q=70, seqlen_new=70,
              capacity=700, leftpad=True, batch_idx=True, nan_outside_valid=True, num_splits=3),
+    # A paged cache with pages of whole key blocks: the sm90 forward's TMA at (row in page, head,
+    # page); pages the table does not name hold NaN.
+    _kv_case("sm90-page256-sq70-append70-nan_outside-splits3", seqlen_q=70, seqlen_new=70, capacity=700,
+             page_size=256, nan_outside_valid=True, num_splits=3),
 ]
 
 

@@ -279,6 +279,62 @@ def test_sm90_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, se
     torch.testing.assert_close(lse, lse80, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("c", [
+    "page256-sq100-new100", "page256-sq100-nonew-gqa32_8-splits3", "page512-d64-sq64-new64-rotary",
+    "page256-sq77-new13-local-nan_outside", "page128-d96-sq64-new64-alibi-splits2", "page256-leftpad-takes-sm80",
+    "page64-d256-fp16-softcap-nan_outside", "page192-d192-gqa-splits3-nan_outside",
+])
+def test_sm90_kvcache_paged(monkeypatch, launched, c):
+    # A paged cache whose pages hold whole key blocks of the sm90 tile: each block is one TMA box
+    # at (row in page, head, page); pages the table does not name hold NaN (make_kwargs). A left
+    # pad would shift blocks across pages: the sm80 family's gather serves it.
+    import dataclasses
+
+    from test_kvcache import Case, check_kvcache, make_kwargs
+
+    cases = {
+        "page256-sq100-new100": Case(seqlen_q=100, seqlen_new=100, capacity=700, page_size=256),
+        "page256-sq100-nonew-gqa32_8-splits3": Case(seqlen_q=100, seqlen_new=0, capacity=3000, nheads=32, nheads_k=8,
+                                                    num_splits=3, page_size=256),
+        "page512-d64-sq64-new64-rotary": Case(seqlen_q=64, seqlen_new=64, capacity=1500, head_dim=64, page_size=512,
+                                              rotary_fraction=1.0),
+        "page256-sq77-new13-local-nan_outside": Case(seqlen_q=77, seqlen_new=13, capacity=900, causal=False,
+                                                     window_size=(300, 20), nan_outside_valid=True, page_size=256),
+        "page128-d96-sq64-new64-alibi-splits2": Case(seqlen_q=64, seqlen_new=64, capacity=1000, head_dim=96, alibi="bh",
+                                                     num_splits=2, page_size=128),
+        "page256-leftpad-takes-sm80": Case(seqlen_q=64, seqlen_new=64, capacity=700, leftpad=True, page_size=256),
+        # d256's 64-key and d192's 96-key blocks: several per page, the last one cut by the cache length.
+        "page64-d256-fp16-softcap-nan_outside": Case(seqlen_q=40, seqlen_new=40, capacity=500, head_dim=256,
+                                                     dtype=torch.float16, softcap=30.0, nan_outside_valid=True,
+                                                     page_size=64),
+        "page192-d192-gqa-splits3-nan_outside": Case(seqlen_q=50, seqlen_new=7, capacity=1000, head_dim=192, nheads=16,
+                                                     nheads_k=4, num_splits=3, nan_outside_valid=True, page_size=192),
+    }
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    case = dataclasses.replace(cases[c], batch=3)
+    check_kvcache(make_kwargs(case))
+    family = "sm80" if case.leftpad else "sm90"
+    assert any(u.startswith(f"flash_fwd_{family}_") and "_paged" in u for u in launched), launched
+
+
+def test_sm90_varlen_paged(monkeypatch, launched):
+    # flash_attn_varlen_func with a block table: sequence b's keys through its row of the table.
+    from test_varlen import check_sequences, cu, gather_pages, run_varlen
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    page_size, lengths_q, lengths_k = 256, [100, 1, 300, 0], [700, 5, 1023, 256]
+    q = torch.randn(sum(lengths_q), 8, 128, dtype=torch.bfloat16, device="cuda")
+    max_pages = -(-max(lengths_k) // page_size)
+    k_cache = torch.randn(4 * max_pages + 2, page_size, 2, 128, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(4 * max_pages + 2, device="cuda")[: 4 * max_pages].view(4, max_pages).to(torch.int32)
+    out, lse = run_varlen(q, k_cache, v_cache, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k,
+                          block_table=table, causal=True)
+    assert launched[0].startswith("flash_fwd_sm90_hdim128_bf16_causal_") and "_paged" in launched[0], launched
+    k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
+    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
+
+
 def test_no_keys_takes_sm80(monkeypatch, launched):
     # seqlen_k = 0 with more than 32 rows: nothing for the TMA to map; the sm80 kernel writes the
     # zeros and the -inf lse.
