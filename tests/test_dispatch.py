@@ -237,8 +237,7 @@ def test_sm90_forward_is_chosen_on_hopper_where_it_has_an_instance():
 
 @pytest.mark.parametrize("change", [
     dict(pack_gqa=True, nheads=12, nheads_k=2),  # a group of 6: 128 % 6
-    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(seqlen_q=1, num_splits=0), dict(paged=True),
-    dict(paged=True, varlen=True),
+    dict(nheads_k=4, seqlen_q=3), dict(seqlen_q=1), dict(seqlen_q=1, num_splits=0), dict(paged=True, seqlen_q=1),
     dict(dropout=True, pack_gqa=True, nheads_k=4), dict(dropout=True, num_splits=3), dict(seqlen_k=0),
 ])
 def test_sm90_forward_leaves_what_it_lacks_to_sm80(change):
@@ -260,20 +259,15 @@ def test_sm90_forward_dropout():
 
 
 def test_sm90_forward_paged():
-    # Pages that hold whole key blocks of the sm90 tile: one TMA box per block (fwd_sm90.cuh).
-    from flashgen.generator.tiles import fwd_tile
-
-    block_n = {d: fwd_tile("sm90", "sm_90a", d).block_n for d in (64, 128)}
-    paged = plan(sm90=True, paged=True, page_size=256, nheads_k=4, seqlen_q=100, seqlen_k=4096)
+    # Paged K/V of any page size (the kernel takes TMA boxes or gathers rows, fwd_sm90.cuh): the
+    # paged sm90 instances, packed as the heuristic packs paged calls, split where asked.
+    paged = plan(sm90=True, paged=True, nheads_k=4, seqlen_q=100, seqlen_k=4096)
     assert paged.spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_paged_sm90a", paged.spec.uri
-    assert plan(sm90=True, paged=True, page_size=2 * block_n[128], num_splits=3).spec.uri == (
-        "flash_fwd_sm90_hdim128_bf16_paged_split_sm90a")
-    # Other page sizes (any must work) and a missing page size: the sm80 family's gather.
-    for page_size in (0, 16, block_n[128] + 16):
-        assert plan(sm90=True, paged=True, page_size=page_size).spec.family == "sm80", page_size
-    # d64's 256-key blocks: pages of 128 straddle them.
-    assert plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64] // 2).spec.family == "sm80"
-    assert plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64]).spec.family == "sm90"
+    assert plan(sm90=True, paged=True, num_splits=3).spec.uri == "flash_fwd_sm90_hdim128_bf16_paged_split_sm90a"
+    # A group that does not divide the tile's 128 rows: unpacked; decode rows: the sm80 decode tile.
+    odd_group = plan(sm90=True, paged=True, nheads=12, nheads_k=4, seqlen_q=100)
+    assert odd_group.spec.uri == "flash_fwd_sm90_hdim128_bf16_paged_sm90a", odd_group.spec.uri
+    assert plan(sm90=True, paged=True, seqlen_q=1, nheads_k=4).spec.family == "sm80"
 
 
 def test_sm90_forward_split_kv():

@@ -70,17 +70,15 @@ def sm90_instance_head_dim(head_dim: int) -> int | None:
 
 
 def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: int, paged: bool, decode: bool,
-                varlen: bool, dropout: bool, page_size: int = 0) -> bool:
+                varlen: bool, dropout: bool) -> bool:
     """Whether the sm90 forward has an instance for a call: any head dim up to the largest instance's
     (sm90_instance_head_dim), any mask, softcap or not, dense or varlen, PackGQA when the group
     divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads), and none
-    of the features it does not have yet (the decode tile and its split-KV, pages that a key block
-    of the instance's tile would straddle: a page size that is not a multiple of its block_n,
-    dropout with PackGQA or paging: the dropout instances are unpacked and unpaged)."""
+    of the features it does not have yet (the decode tile and its split-KV, dropout with PackGQA or
+    paging: the dropout instances are unpacked and unpaged). Paged K/V of any page size: by TMA
+    where pages hold whole key blocks, else gathered (fwd_sm90.cuh: kv_gather)."""
     return (sm90_instance_head_dim(head_dim) is not None and mask in matrix.SM90_FWD_MASKS
             and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
-            and not (paged and (page_size <= 0
-                                or page_size % fwd_tile("sm90", "sm_90a", sm90_instance_head_dim(head_dim)).block_n))
             and not (decode or (dropout and (pack_gqa or paged))))
 
 
@@ -135,7 +133,6 @@ def plan_fwd(
     varlen_uniform: bool = False,
     dropout: bool = False,
     sm90: bool = False,
-    page_size: int = 0,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
@@ -145,8 +142,6 @@ def plan_fwd(
     MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch;
     ``varlen_uniform``: and every sequence is that long (the tensors hold batch x longest rows);
     ``dropout``: the instance with the Philox mask (never paged, never the decode tile);
-    ``page_size``: the K/V cache's rows per page when ``paged`` (the sm90 forward takes multiples
-    of its tile's block_n);
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
@@ -182,7 +177,7 @@ def plan_fwd(
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and seqlen_k > 0 and sm90_covers(
         head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
-        decode=decode, varlen=varlen, dropout=dropout, page_size=page_size,
+        decode=decode, varlen=varlen, dropout=dropout,
     ):
         sm90_plan = _plan_fwd_sm90(
             arch=arch, dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,

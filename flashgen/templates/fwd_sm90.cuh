@@ -27,9 +27,9 @@
 // 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Split-KV:
 // a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
-// Paged K/V: page sizes that are multiples of kBlockN, by TMA (kPaged). Dropout (unpacked,
-// unsplit, unpaged instances): common.cuh's Philox mask on P after the row sums. Not yet here (the
-// sm80 family serves those calls): other page sizes and left pads with paging; and of
+// Paged K/V (kPaged), any page size: by TMA where pages hold whole key blocks, otherwise gathered
+// by the producer warpgroup's cp.async (kv_gather). Dropout (unpacked, unsplit, unpaged
+// instances): common.cuh's Philox mask on P after the row sums. Not yet here: of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
 // branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
 #pragma once
@@ -70,9 +70,9 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // splits on the H200 (a branch per tile: 4-6% under the causal mask; two copies of the body in
     // one kernel: 20-30% on few, long tiles).
     static constexpr bool kSplit = kSplit_;
-    // Paged K/V ((pages, page_size, heads, d) caches, a block table per sequence): each K/V block
-    // lies within one page (the host sends only page sizes that are multiples of kBlockN and no
-    // left pad), so a block is one TMA box at (row in page, head, page).
+    // Paged K/V ((pages, page_size, heads, d) caches, a block table per sequence): a block that
+    // lies within one page (page sizes that are multiples of kBlockN, no left pad) is one TMA box
+    // at (row in page, head, page); otherwise the producers gather its rows (kv_gather).
     static constexpr bool kPaged = kPaged_;
     // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so the sm80
     // backward regenerates what this kernel drew.
@@ -175,13 +175,19 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         return 1;
     };
 
+    // Paged K/V whose key blocks straddle pages (a page size that is not a multiple of kBlockN, or
+    // a left pad shifting the keys): the producer warpgroup gathers each block's rows with cp.async
+    // (kv_gather), and every one of its threads arrives on the block's full barrier once its copies
+    // have landed. Otherwise one thread's TMA loads (one arrival, the bytes as the transaction count).
+    bool const kv_gather = Tr::kPaged && (params.page_size.divisor % kBlockN != 0 || params.leftpad_k_ptr != nullptr);
+    int const kv_arrivals = kv_gather ? Tr::kNThreads - Tr::kConsumerThreads : 1;
     if (tid == 0) {
         mbar_init(bar_q, 1);
         mbar_init(bar_q_empty, Tr::kConsumerThreads);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full_k(s), 1);
-            mbar_init(full_v(s), 1);
+            mbar_init(full_k(s), kv_arrivals);
+            mbar_init(full_v(s), kv_arrivals);
             mbar_init(empty_k(s), Tr::kConsumerThreads);
             mbar_init(empty_v(s), Tr::kConsumerThreads);
         }
@@ -193,7 +199,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         // ---- Producer. Key blocks go from the last to the first (the causal diagonal first). The
         // K/V ring runs on across tiles (block `used` counts every block this CTA loaded).
         setmaxnreg_dec<Tr::kProducerRegs>();
-        if (warp == 0 && lane == 0) {
+        if ((warp == 0 && lane == 0) || kv_gather) {
             int used = 0, tile_count = 0;
             for (int slot = 0;; ++slot) {
                 Tile tile;
@@ -207,19 +213,83 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 // zeroed (clear_v_tail).
                 int const q_row0 = tile.seq.q_offset + tile.m0, q_batch = varlen_q ? 0 : tile.bidb;
                 int const k_row0 = tile.seq.k_offset, k_batch = varlen_k ? 0 : tile.seq.kv_b;
-                // Paged: block n is row n * kBlockN % page_size of page pages[n * kBlockN / page_size].
-                // An entry past the cache's pages gets the TMA's zero fill, not another tensor's rows.
-                // (Keys start at the first page's row 0: a left pad, which would shift blocks across
-                // pages, never reaches a paged instance: kvcache.py keeps those calls on sm80.)
+                // Paged by TMA (no left pad, pages of whole blocks): block n is row n * kBlockN %
+                // page_size of page pages[n * kBlockN / page_size]; an entry past the cache's pages
+                // gets the TMA's zero fill, not another tensor's rows.
                 const int* pages = reinterpret_cast<const int*>(params.block_table_ptr) +
                                    int64_t(tile.bidb) * params.block_table_batch_stride;
                 int const n_blocks = tile.n_block_max - tile.n_block_min;
+                // Gathered: key j is row (leftpad + j) % page_size of page pages[(leftpad + j) /
+                // page_size] (as in the sm80 family). Thread t of the producer warpgroup copies
+                // 16-byte chunk t % 8 of rows t / 8 + 16 i of each 64-column panel, to the swizzled
+                // place the TMA would have written. A block's rows are looked up once, before its
+                // copies, one row per lane of each warp (kLookups rounds): the K and V element
+                // offsets of its page row, -1 for keys past the sequence and pages outside the
+                // cache; the copying lanes take them by shuffles, so no copy waits on a table load
+                // and the eight lanes of a row do not each redo its multiplies. Unreadable rows and
+                // columns past the call's head dim are zero-filled (cp.async's source size 0).
+                constexpr int kWarpRows = kBlockN / 4;  // a warp's rows of a block: 4 per 16-row pass
+                constexpr int kLookups = (kWarpRows + 31) / 32;
+                static_assert(kBlockN % 16 == 0 && kLookups <= 2, "16-row passes; lookup rounds picked by a select");
+                // Lane l, round j: the warp's row index 32 j + l, i.e. row 4 warp + its % 4 + 16 (its / 4).
+                auto lookup_rows = [&](int n_block, int64_t (&k_offset)[kLookups], int64_t (&v_offset)[kLookups]) {
+#pragma unroll
+                    for (int j = 0; j < kLookups; ++j) {
+                        int const warp_row = 32 * j + lane;
+                        int const key = n_block * kBlockN + 4 * warp + warp_row % 4 + 16 * (warp_row / 4);
+                        k_offset[j] = v_offset[j] = -1;
+                        if (warp_row < kWarpRows && key < tile.seq.seqlen_k) {
+                            int row_in_page;
+                            int const page = pages[params.page_size.divmod(row_in_page, tile.seq.k_offset + key)];
+                            if (page >= 0 && page < params.kv_batch) {
+                                k_offset[j] = page * params.k_batch_stride + row_in_page * params.k_row_stride;
+                                v_offset[j] = page * params.v_batch_stride + row_in_page * params.v_row_stride;
+                            }
+                        }
+                    }
+                };
+                // `base`: the head's first element plus this thread's chunk of columns.
+                auto gather_block = [&](uint32_t dst, const T* base, const int64_t (&row_offset)[kLookups]) {
+                    int const chunk = lane % 8;
+                    uint32_t const dst_row = dst + (tid / 8) * 128 + ((chunk ^ (tid / 8 % 8)) * 16);  // row t / 8
+                    // Not unrolled: the producer has 24 registers, and each copy in flight holds an address.
+#pragma unroll 1
+                    for (int i = 0; i < kBlockN / 16; ++i) {
+                        int const warp_row = lane / 8 + 4 * i;  // this thread's row t / 8 + 16 i
+                        bool const second = kLookups > 1 && warp_row >= 32;
+                        int64_t const offset = __shfl_sync(0xffffffffu, second ? row_offset[kLookups - 1] : row_offset[0],
+                                                           warp_row % 32);
+#pragma unroll
+                        for (int p = 0; p < Tr::kPanels; ++p) {
+                            bool const valid = offset >= 0 && p * 64 + chunk * 8 < params.head_dim;
+                            cp_async_16(dst_row + i * 16 * 128 + p * Tr::kPanelKVBytes, base + (valid ? offset + p * 64 : 0),
+                                        valid);
+                        }
+                    }
+                };
                 // Block `it` of the tile into the ring's next stage, once both consumers have
                 // released that stage's previous block.
                 auto load_kv = [&](int it) {
                     int const n_block = tile.n_block_max - 1 - it;
                     int const stage = used % kStages;
                     uint32_t const parity = ((used / kStages) & 1) ^ 1;  // the previous use's phase
+                    if constexpr (Tr::kPaged) {
+                        if (kv_gather) {
+                            int64_t k_offset[kLookups], v_offset[kLookups];
+                            lookup_rows(n_block, k_offset, v_offset);
+                            int const column = lane % 8 * 8;
+                            if (used >= kStages) mbar_wait(empty_k(stage), parity);
+                            gather_block(sK(stage), reinterpret_cast<const T*>(params.k_ptr) +
+                                                        bidh_kv * params.k_head_stride + column, k_offset);
+                            cp_async_mbar_arrive(full_k(stage));  // once this thread's copies have landed
+                            if (used >= kStages) mbar_wait(empty_v(stage), parity);
+                            gather_block(sV(stage), reinterpret_cast<const T*>(params.v_ptr) +
+                                                        bidh_kv * params.v_head_stride + column, v_offset);
+                            cp_async_mbar_arrive(full_v(stage));
+                            ++used;
+                            return;
+                        }
+                    }
                     int kv_row = k_row0 + n_block * kBlockN, kv_batch = k_batch;
                     if constexpr (Tr::kPaged) {
                         int row_in_page;
@@ -246,20 +316,24 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 // The tile's first K/V block goes out before its Q, which waits until the consumers
                 // have finished the previous tile's last Q·Kᵀ: the ring runs ahead across tiles.
                 if (n_blocks > 0) load_kv(0);
-                if (tile_count > 0) mbar_wait(bar_q_empty, (tile_count - 1) & 1);  // the last tile's Q is free
-                mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
+                if (!kv_gather || tid == 0) {  // (gathering, the whole warpgroup runs this loop; Q is thread 0's)
+                    if (tile_count > 0) mbar_wait(bar_q_empty, (tile_count - 1) & 1);  // the last tile's Q is free
+                    mbar_arrive_expect_tx(bar_q, Tr::kQBytes);
 #pragma unroll
-                for (int p = 0; p < Tr::kPanels; ++p) {
-                    if constexpr (Tr::kPackGQA) {  // queries m0 / G .. of all G heads of KV head bidh
-                        tma_load_5d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, 0,
-                                    tile.seq.q_offset + tile.m0 / group, tile.bidh, q_batch);
-                    } else {
-                        tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, q_row0, tile.bidh, q_batch);
+                    for (int p = 0; p < Tr::kPanels; ++p) {
+                        if constexpr (Tr::kPackGQA) {  // queries m0 / G .. of all G heads of KV head bidh
+                            tma_load_5d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, 0,
+                                        tile.seq.q_offset + tile.m0 / group, tile.bidh, q_batch);
+                        } else {
+                            tma_load_4d(sQ + p * Tr::kPanelQBytes, &args.tma_q, bar_q, p * 64, q_row0, tile.bidh,
+                                        q_batch);
+                        }
                     }
                 }
                 for (int it = 1; it < n_blocks; ++it) load_kv(it);
                 ++tile_count;
             }
+            if (kv_gather) cp_async_wait<0>();  // no thread exits with copies in flight
         }
         return;
     }
@@ -379,6 +453,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 }
         }
     };
+    // A K or V block's full barrier; gathered blocks (kv_gather) were written by the producers'
+    // cp.async, in the generic proxy, which the wgmma (async proxy) reads only after a proxy fence.
+    auto wait_kv = [&](uint32_t full, uint32_t parity) {
+        mbar_wait(full, parity);
+        if constexpr (Tr::kPaged) {
+            if (kv_gather) fence_proxy_async();
+        }
+    };
     // The rows of a tile's first key block (the last in key order) past the sequence's keys: the
     // next sequence's under varlen, or rows a shorter seqused_k leaves unused (the TMA stops only
     // at the tensor's end). P is 0 there, but 0 times an inf or NaN value is NaN, so those V rows
@@ -398,7 +480,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async();
         named_barrier_sync(1, Tr::kConsumerThreads);
     };
     auto rescale_o = [&](const float (&correction)[2]) {
@@ -471,7 +553,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 uint32_t const parity = parity_of(it);
                 float s[kSRegs];
                 float correction[2];
-                mbar_wait(full_k(stage), parity);
+                wait_kv(full_k(stage), parity);
                 wgmma_fence();
                 issue_qk(stage, s);
                 wgmma_commit();
@@ -482,7 +564,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 softmax(n_block_max - 1 - it, s, correction);
                 rescale_o(correction);
                 pack_p(s, p);
-                mbar_wait(full_v(stage), parity);
+                wait_kv(full_v(stage), parity);
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_pv(stage, p);
@@ -495,7 +577,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         if (Tr::kOverlap && n_blocks > 0) {
             float s[kSRegs];
             float correction[2];
-            mbar_wait(full_k(stage_of(0)), parity_of(0));
+            wait_kv(full_k(stage_of(0)), parity_of(0));
             wgmma_fence();
             issue_qk(stage_of(0), s);
             wgmma_commit();
@@ -511,8 +593,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             // stalls) ahead of the softmax. Then O is rescaled and block it's P packed.
             auto start_block = [&](int it) {
                 int const stage = stage_of(it), prev = stage_of(it - 1);
-                mbar_wait(full_k(stage), parity_of(it));
-                mbar_wait(full_v(prev), parity_of(it - 1));
+                wait_kv(full_k(stage), parity_of(it));
+                wait_kv(full_v(prev), parity_of(it - 1));
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_qk(stage, s);
@@ -539,7 +621,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             }
             if (n_blocks > 1) finish_block(n_blocks - 1);
             int const last = stage_of(n_blocks - 1);
-            mbar_wait(full_v(last), parity_of(n_blocks - 1));
+            wait_kv(full_v(last), parity_of(n_blocks - 1));
             fence_registers(acc_o);
             wgmma_fence();
             issue_pv(last, p);

@@ -292,6 +292,12 @@ KVCACHE_CASES = [
     # page); pages the table does not name hold NaN.
     _kv_case("sm90-page256-sq70-append70-nan_outside-splits3", seqlen_q=70, seqlen_new=70, capacity=700,
              page_size=256, nan_outside_valid=True, num_splits=3),
+    # Pages the key blocks straddle (17) and a left pad: the sm90 producers' cp.async gather, with
+    # keys past the sequence and pages outside the cache zero-filled rather than read.
+    _kv_case("sm90-gather-page17-sq70-append70-leftpad-nan_outside-splits2", seqlen_q=70, seqlen_new=70,
+             capacity=700, page_size=17, leftpad=True, nan_outside_valid=True, num_splits=2),
+    _kv_case("sm90-gather-page1-d64-gqa8_2-sq40-append40", seqlen_q=40, seqlen_new=40, capacity=300, page_size=1,
+             head_dim=64),
 ]
 
 

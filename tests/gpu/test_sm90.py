@@ -281,13 +281,18 @@ def test_sm90_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, se
 
 @pytest.mark.parametrize("c", [
     "page256-sq100-new100", "page256-sq100-nonew-gqa32_8-splits3", "page512-d64-sq64-new64-rotary",
-    "page256-sq77-new13-local-nan_outside", "page128-d96-sq64-new64-alibi-splits2", "page256-leftpad-takes-sm80",
+    "page256-sq77-new13-local-nan_outside", "page128-d96-sq64-new64-alibi-splits2",
     "page64-d256-fp16-softcap-nan_outside", "page192-d192-gqa-splits3-nan_outside",
+    # Gathered by the producer warpgroup: pages smaller than or not a multiple of the key block, left pads.
+    "gather-page256-leftpad-nan_outside", "gather-page1-sq40-new40", "gather-page16-gqa32_8-splits3-nan_outside",
+    "gather-page17-local-rotary-leftpad", "gather-page100-d64-sq64-new64-nan_outside",
+    "gather-page64-d96-alibi-splits2", "gather-page48-d256-fp16-softcap-leftpad", "gather-page17-d192-mqa-nan_outside",
 ])
 def test_sm90_kvcache_paged(monkeypatch, launched, c):
     # A paged cache whose pages hold whole key blocks of the sm90 tile: each block is one TMA box
-    # at (row in page, head, page); pages the table does not name hold NaN (make_kwargs). A left
-    # pad would shift blocks across pages: the sm80 family's gather serves it.
+    # at (row in page, head, page). Other page sizes and left pads (which shift blocks across
+    # pages): the producer warpgroup gathers each block's rows with cp.async. Pages the table does
+    # not name hold NaN (make_kwargs).
     import dataclasses
 
     from test_kvcache import Case, check_kvcache, make_kwargs
@@ -302,27 +307,43 @@ def test_sm90_kvcache_paged(monkeypatch, launched, c):
                                                      window_size=(300, 20), nan_outside_valid=True, page_size=256),
         "page128-d96-sq64-new64-alibi-splits2": Case(seqlen_q=64, seqlen_new=64, capacity=1000, head_dim=96, alibi="bh",
                                                      num_splits=2, page_size=128),
-        "page256-leftpad-takes-sm80": Case(seqlen_q=64, seqlen_new=64, capacity=700, leftpad=True, page_size=256),
         # d256's 64-key and d192's 96-key blocks: several per page, the last one cut by the cache length.
         "page64-d256-fp16-softcap-nan_outside": Case(seqlen_q=40, seqlen_new=40, capacity=500, head_dim=256,
                                                      dtype=torch.float16, softcap=30.0, nan_outside_valid=True,
                                                      page_size=64),
         "page192-d192-gqa-splits3-nan_outside": Case(seqlen_q=50, seqlen_new=7, capacity=1000, head_dim=192, nheads=16,
                                                      nheads_k=4, num_splits=3, nan_outside_valid=True, page_size=192),
+        "gather-page256-leftpad-nan_outside": Case(seqlen_q=64, seqlen_new=64, capacity=700, leftpad=True,
+                                                   nan_outside_valid=True, page_size=256),
+        "gather-page1-sq40-new40": Case(seqlen_q=40, seqlen_new=40, capacity=300, page_size=1),
+        "gather-page16-gqa32_8-splits3-nan_outside": Case(seqlen_q=33, seqlen_new=5, capacity=1000, nheads=32,
+                                                          nheads_k=8, num_splits=3, nan_outside_valid=True, page_size=16),
+        "gather-page17-local-rotary-leftpad": Case(seqlen_q=50, seqlen_new=50, capacity=600, causal=False,
+                                                   window_size=(200, 10), rotary_fraction=0.5, leftpad=True,
+                                                   page_size=17),
+        "gather-page100-d64-sq64-new64-nan_outside": Case(seqlen_q=64, seqlen_new=64, capacity=900, head_dim=64,
+                                                          nan_outside_valid=True, page_size=100),
+        "gather-page64-d96-alibi-splits2": Case(seqlen_q=64, seqlen_new=64, capacity=1000, head_dim=96, alibi="bh",
+                                                num_splits=2, page_size=64),
+        "gather-page48-d256-fp16-softcap-leftpad": Case(seqlen_q=40, seqlen_new=40, capacity=500, head_dim=256,
+                                                        dtype=torch.float16, softcap=30.0, leftpad=True, page_size=48),
+        "gather-page17-d192-mqa-nan_outside": Case(seqlen_q=50, seqlen_new=7, capacity=800, head_dim=192, nheads=8,
+                                                   nheads_k=1, nan_outside_valid=True, page_size=17),
     }
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     case = dataclasses.replace(cases[c], batch=3)
     check_kvcache(make_kwargs(case))
-    family = "sm80" if case.leftpad else "sm90"
-    assert any(u.startswith(f"flash_fwd_{family}_") and "_paged" in u for u in launched), launched
+    assert any(u.startswith("flash_fwd_sm90_") and "_paged" in u for u in launched), launched
 
 
-def test_sm90_varlen_paged(monkeypatch, launched):
-    # flash_attn_varlen_func with a block table: sequence b's keys through its row of the table.
+@pytest.mark.parametrize("page_size", [256, 17])
+def test_sm90_varlen_paged(monkeypatch, launched, page_size):
+    # flash_attn_varlen_func with a block table: sequence b's keys through its row of the table
+    # (pages of 256: TMA boxes; of 17: gathered).
     from test_varlen import check_sequences, cu, gather_pages, run_varlen
 
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    page_size, lengths_q, lengths_k = 256, [100, 1, 300, 0], [700, 5, 1023, 256]
+    lengths_q, lengths_k = [100, 1, 300, 0], [700, 5, 1023, 256]
     q = torch.randn(sum(lengths_q), 8, 128, dtype=torch.bfloat16, device="cuda")
     max_pages = -(-max(lengths_k) // page_size)
     k_cache = torch.randn(4 * max_pages + 2, page_size, 2, 128, dtype=torch.bfloat16, device="cuda")
