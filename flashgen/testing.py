@@ -303,14 +303,18 @@ def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nhe
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
-    chunk = torch.arange(-(-seqlen_k // 16), device=device).view(1, 1, 1, -1)
+    # One Philox block per (query, 64-key group g, quad lane q): counter word 0 is 4 g + q.
+    block = torch.arange(4 * -(-seqlen_k // 64), device=device).view(1, 1, 1, -1)
     words = philox4x32_10(
-        (chunk, i, (b * nheads + h) & _MASK32, offset & _MASK32),
+        (block, i, (b * nheads + h) & _MASK32, offset & _MASK32),
         ((seed & _MASK32) ^ (((offset >> 32) * _PHILOX_W0) & _MASK32), ((seed >> 32) & _MASK32) ^ _DROPOUT_DOMAIN),
     )
-    shape = torch.broadcast_shapes(b.shape, h.shape, i.shape, chunk.shape)
-    words = torch.stack([w.expand(shape) for w in words], dim=-1)           # (..., chunks, 4)
+    shape = torch.broadcast_shapes(b.shape, h.shape, i.shape, block.shape)
+    words = torch.stack([w.expand(shape) for w in words], dim=-1)           # (..., 4 g + q, word c)
     shifts = torch.arange(4, device=device) * 8
-    random_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                  # (..., chunks, 4, 4)
-    random_bytes = random_bytes.flatten(-3)[..., :seqlen_k]                # key j = 16 * chunk + 4 * word + byte
+    random_bytes = (words.unsqueeze(-1) >> shifts) & 0xFF                  # (..., 4 g + q, c, byte 2 n + e)
+    # key j = 64 g + 16 c + 8 n + 2 q + e: order the axes (g, c, n, q, e) and flatten.
+    random_bytes = random_bytes.unflatten(-3, (-1, 4)).unflatten(-1, (2, 2))  # (..., g, q, c, n, e)
+    random_bytes = random_bytes.permute(*range(random_bytes.dim() - 5), -5, -3, -2, -4, -1)
+    random_bytes = random_bytes.flatten(-5)[..., :seqlen_k]
     return random_bytes < threshold

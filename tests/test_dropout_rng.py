@@ -51,6 +51,21 @@ def test_dropout_mask_depends_on_seed_offset_and_position():
     assert dropout_keep_mask(torch.tensor([-5, 0]), 0.5, 1, 1, 8, 8).shape == (1, 1, 8, 8)
 
 
+def test_dropout_mask_element_mapping():
+    # Key j = 64 g + 16 c + 8 n + 2 q + e of query i is byte 2 n + e of word c of the Philox block
+    # with counter (4 g + q, i, b * nheads + h, offset) (common.cuh's Dropout), checked element by
+    # element against the scalar generator, also past 2**32 offsets and in a partial last group.
+    seed, offset, p = 0x1234_5678_9ABC, 2**32 + 5, 0.5
+    batch, nheads, seqlen_q, seqlen_k = 2, 3, 5, 150
+    mask = dropout_keep_mask(torch.tensor([seed, offset]), p, batch, nheads, seqlen_q, seqlen_k)
+    key = ((seed & 0xFFFFFFFF) ^ (((offset >> 32) * 0x9E3779B9) & 0xFFFFFFFF), ((seed >> 32) & 0xFFFFFFFF) ^ 0x666C6773)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 149), (0, 1, 3, 77), (1, 0, 2, 130), (0, 2, 1, 63), (1, 1, 0, 64)]:
+        g, c, n, q, e = j // 64, j % 64 // 16, j % 16 // 8, j % 8 // 2, j % 2
+        words = philox4x32_10((4 * g + q, i, b * nheads + h, offset & 0xFFFFFFFF), key)
+        byte = (int(words[c]) >> (8 * (2 * n + e))) & 0xFF
+        assert bool(mask[b, h, i, j]) == (byte < 128), (b, h, i, j)
+
+
 @pytest.mark.parametrize("p,threshold", [(0.0, 256), (0.1, 230), (0.5, 128), (0.999, 0), (1e-4, 256)])
 def test_dropout_threshold(p, threshold):
     params = DropoutState(p, 1, 0).params()

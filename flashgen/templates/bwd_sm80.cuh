@@ -421,24 +421,29 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
 
         // Dropout: the forward's keep bits for this thread's keys (lane / 4 and + 8 of each of the
         // warp's two 16-key chunks) and query columns; bit ((mi * kMN + ni) * 2 + column) * 2 + half.
+        // The warp's 32 keys lie in one 64-key group (they start at a multiple of 32), and this
+        // thread's are quad lane (lane / 4) / 2's of it (common.cuh): one Philox block per query.
         int const query_col = q0 + warp_m * Tr::kWarpQ + 2 * (lane % 4);  // this thread's first query
         uint64_t keep_bits = ~0ull;
         static_assert(Tr::kMN <= 8, "keep bits: 8 per n8 tile of queries fit 64 bits");
         if constexpr (Tr::kDropout) {
             keep_bits = 0;
             uint32_t const bh = uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh);
+            int const chunk0 = (key0 + warp_n * 32) / 16;  // even: chunks chunk0, chunk0 + 1 of one group
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
+            for (int ni = 0; ni < Tr::kMN; ++ni)
 #pragma unroll
-                for (int ni = 0; ni < Tr::kMN; ++ni)
+                for (int c = 0; c < 2; ++c) {
+                    uint4 const bytes = dropout.block(bh, query_col + ni * 8 + c, chunk0 / 4, lane / 8);
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        uint4 const bytes = dropout.chunk(bh, query_col + ni * 8 + c, (key0 + warp_n * 32 + mi * 16) / 16);
+                    for (int mi = 0; mi < 2; ++mi) {
+                        uint32_t const word = Dropout::word(bytes, (chunk0 + mi) % 4);
 #pragma unroll
                         for (int half = 0; half < 2; ++half)
-                            keep_bits |= uint64_t(dropout.keep(bytes, lane / 4 + 8 * half))
+                            keep_bits |= uint64_t(dropout.keep(word, 2 * half + lane / 4 % 2))
                                          << (((mi * Tr::kMN + ni) * 2 + c) * 2 + half);
                     }
+                }
         }
         bool const need_mask = key0 + kBlockN > seqlen_k || (kMasked && (
             q0 + diag + params.window_right < key0 + kBlockN - 1 ||

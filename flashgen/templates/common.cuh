@@ -241,10 +241,14 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Dropout: Philox4x32-10 (Salmon et al., SC'11), a counter-based RNG, so the backward regenerates
 // the forward's mask from (seed, offset) and each element's coordinates alone, in any layout.
-// Element (query i, key j) of (batch b, query head h) keeps its probability iff byte j % 16 of
-// philox(counter = {j / 16, i, b * nheads + h, offset_lo}, key = {seed_lo ^ offset_hi * 0x9E3779B9,
-// seed_hi ^ kDropoutDomain}) is below keep_threshold = round((1 - p) * 256); kept ones are scaled
-// by 256 / keep_threshold (rp_dropout), so the expected output is the undropped one. The key's domain constant keeps these streams
+// Element (query i, key j) of (batch b, query head h) keeps its probability iff byte 2 n + e of
+// word c of philox(counter = {4 g + q, i, b * nheads + h, offset_lo}, key = {seed_lo ^ offset_hi *
+// 0x9E3779B9, seed_hi ^ kDropoutDomain}) is below keep_threshold = round((1 - p) * 256), where
+// j = 64 g + 16 c + 8 n + 2 q + e (e < 2, q < 4, n < 2, c < 4); kept ones are scaled by 256 /
+// keep_threshold (rp_dropout), so the expected output is the undropped one. One Philox block is
+// thus the 16 keys of a 64-key group that lane q % 4 of an m16n8 accumulator quad holds for one
+// query (keys 2 q, 2 q + 1 of each n8 tile): the forward draws each block once, where a block per
+// 16 consecutive keys was drawn by all four lanes of the quad. The key's domain constant keeps these streams
 // apart from those PyTorch draws from the same generator. flashgen.testing.dropout_keep_mask is
 // the same function in PyTorch, for the tests.
 constexpr uint32_t kDropoutDomain = 0x666c6773u;  // "flgs"
@@ -273,15 +277,35 @@ struct Dropout {
                 uint32_t(uint64_t(p.philox_seed) >> 32) ^ kDropoutDomain, uint32_t(p.philox_offset),
                 p.dropout_threshold};
     }
-    // The 16 random bytes of (head bh = b * nheads + h, query, 16-key chunk), as 4 words (byte n
-    // of word w is key 4w + n of the chunk).
-    __device__ __forceinline__ uint4 chunk(uint32_t bh, int query, int key_chunk) const {
-        return philox4x32_10(make_uint4(uint32_t(key_chunk), uint32_t(query), bh, offset), key0, key1);
+    // The 16 random bytes of (head bh = b * nheads + h, query, 64-key group, quad lane q): word c,
+    // byte 2 n + e is key 64 group + 16 c + 8 n + 2 q + e.
+    __device__ __forceinline__ uint4 block(uint32_t bh, int query, int group, int quad) const {
+        return philox4x32_10(make_uint4(uint32_t(4 * group + quad), uint32_t(query), bh, offset), key0, key1);
     }
-    __device__ __forceinline__ bool keep(uint4 bytes, int key_in_chunk) const {
-        uint32_t const word = key_in_chunk < 8 ? (key_in_chunk < 4 ? bytes.x : bytes.y)
-                                               : (key_in_chunk < 12 ? bytes.z : bytes.w);
-        return ((word >> (8 * (key_in_chunk % 4))) & 0xffu) < threshold;
+    __device__ __forceinline__ static uint32_t word(uint4 bytes, int c) {
+        return c == 0 ? bytes.x : c == 1 ? bytes.y : c == 2 ? bytes.z : bytes.w;
+    }
+    __device__ __forceinline__ bool keep(uint32_t word, int byte) const {
+        return ((word >> (8 * byte)) & 0xffu) < threshold;
+    }
+    // One query row's keys as a thread of an m16n8 accumulator quad holds them (lane % 4 = q: keys
+    // 16 c + 8 n + 2 q + e of each 16-key chunk c): drop(c, n, e) for each dropped one, over
+    // kChunks chunks from chunk first_chunk (kAligned: first_chunk is a multiple of 4).
+    template <int kChunks, bool kAligned, typename Drop>
+    __device__ __forceinline__ void drop_row(uint32_t bh, int query, int first_chunk, int quad, Drop&& drop) const {
+        uint4 bytes = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            int const chunk = first_chunk + c;
+            int const c_in_group = kAligned ? c % 4 : chunk % 4;
+            if (kAligned ? c % 4 == 0 : (c == 0 || c_in_group == 0)) bytes = block(bh, query, chunk / 4, quad);
+            uint32_t const w = word(bytes, c_in_group);
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (!keep(w, 2 * n + e)) drop(c, n, e);
+        }
     }
 };
 

@@ -521,15 +521,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                 int const chunk0 = (n_block * kBlockN + warp_n * kWarpN) / 16;
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int c = 0; c < kWarpN / 16; ++c) {
-                        uint4 const bytes = dropout.chunk(row_bh[mi][half], row_pos[mi][half], chunk0 + c);
-#pragma unroll
-                        for (int n = 0; n < 2; ++n)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (!dropout.keep(bytes, n * 8 + 2 * (lane % 4) + e)) s[mi][2 * c + n][2 * half + e] = 0.f;
-                    }
+                    dropout.drop_row<kWarpN / 16, kWarpN % 64 == 0>(
+                        row_bh[mi][half], row_pos[mi][half], chunk0, lane % 4,
+                        [&](int c, int n, int e) { s[mi][2 * c + n][2 * half + e] = 0.f; });
             }
             // The m16n8 accumulator layout of two adjacent n8 tiles is the m16k16 A layout.
 #pragma unroll

@@ -442,15 +442,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         if constexpr (Tr::kDropout) {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int c = 0; c < kBlockN / 16; ++c) {
-                    uint4 const bytes = dropout.chunk(row_bh[half], row_pos[half], key0 / 16 + c);
-#pragma unroll
-                    for (int n = 0; n < 2; ++n)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (!dropout.keep(bytes, n * 8 + 2 * (lane % 4) + e)) s[(2 * c + n) * 4 + 2 * half + e] = 0.f;
-                }
+                dropout.drop_row<kBlockN / 16, kBlockN % 64 == 0>(
+                    row_bh[half], row_pos[half], key0 / 16, lane % 4,
+                    [&](int c, int n, int e) { s[(2 * c + n) * 4 + 2 * half + e] = 0.f; });
         }
     };
     // A K or V block's full barrier; gathered blocks (kv_gather) were written by the producers'
