@@ -56,6 +56,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     }
 }
 
+// mbar_wait, then, where kMayFence and `fence`, a proxy fence: shared memory written by cp.async
+// (generic proxy) before the wgmma reads it (async proxy).
+template <bool kMayFence>
+__device__ __forceinline__ void mbar_wait_fenced(uint32_t bar, uint32_t parity, bool fence) {
+    mbar_wait(bar, parity);
+    if constexpr (kMayFence) {
+        if (fence) fence_proxy_async();
+    }
+}
+
 // ---- TMA: a 4-D box (columns, rows, head, batch) of a tensor map into shared memory, completing
 // (transaction bytes) on an mbarrier.
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDescriptor* map, uint32_t bar, int c0, int c1,
