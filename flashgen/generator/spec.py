@@ -45,7 +45,8 @@ MASKS = ("none", "causal", "local")
 # sm80: mma.sync + cp.async, every feature, every target (sm_80, sm_86, sm_90a). sm90: the Hopper
 # forward and backward (wgmma + TMA, warp-specialized; fwd_sm90.cuh, bwd_sm90.cuh), sm_90a only, for
 # the calls their instances cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA, split-KV,
-# dropout unpacked and unsplit; no paging or decode tile; the backward: head dims up to the largest of matrix.SM90_BWD_HEAD_DIMS,
+# paged K/V of any page size, dropout unpacked, unsplit and unpaged; no decode tile; the backward:
+# head dims up to the largest of matrix.SM90_BWD_HEAD_DIMS,
 # dense and varlen calls without seqused, not deterministic);
 # everything else keeps sm80.
 FAMILIES = ("sm80", "sm90")

@@ -1,8 +1,8 @@
 """GPU tier: the sm90 forward family (wgmma + TMA, fwd_sm90.cuh) on Hopper.
 
 The rest of the suite runs it wherever dispatch picks it (on an H100/H200, every flash_attn_func call
-with head dim up to 256 and no paging (dropout: unpacked, unsplit), and the KV-cache calls with
-more query rows than the decode tile's on a contiguous cache); here it is held to FlashAttention's
+with head dim up to 256 (dropout: unpacked, unsplit, unpaged), paged or not, and the KV-cache calls
+with more query rows than the decode tile's); here it is held to FlashAttention's
 rule on the sizes that stress its tiles (a row block of 1 row, rows past the sequence end, key blocks
 cut by seqlen_k, causal with more queries than keys, GQA), checked to really be the family that ran,
 and compared with the sm80 family forced on the same inputs.
