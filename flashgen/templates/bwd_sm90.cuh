@@ -325,7 +325,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 #pragma unroll
                         for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(sdQ + box * Tr::kDQBoxBytes + chunk * 16);
                     }
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA (async proxy)
+                    fence_proxy_async();  // visible to the TMA (async proxy)
                     __syncwarp();
                 }
                 if (lane == 0) {
@@ -374,7 +374,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         }
     };
     auto publish_cleared = [&]() {
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async();
         named_barrier_sync(2, Tr::kConsumerThreads);
     };
     if (steps > 0) {
@@ -454,7 +454,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                   4 * (lane % 4),
                               ds_frag[i / 2][(i % 2) * 2 + half]);
             }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the wgmma (async proxy)
+        fence_proxy_async();  // visible to the wgmma (async proxy)
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
         // head-dim columns its N (MN-major, panels kPanelQBytes apart).
@@ -508,7 +508,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                       ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
                 st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
             }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA (async proxy)
+        fence_proxy_async();  // visible to the TMA (async proxy)
         mbar_arrive(dq_full);
     }
 

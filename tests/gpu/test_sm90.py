@@ -185,21 +185,28 @@ def test_sm90_split_kv(monkeypatch, launched, num_splits, head_dim, batch, seqle
     torch.testing.assert_close(lse, lse1, rtol=0, atol=1e-3)
 
 
-def test_sm90_split_kv_varlen(monkeypatch, launched):
-    # Varlen with split-KV: per-sequence shares of the keys; rows past seqused_q get 0 and -inf
-    # (no share writes them).
+def run_seqused_varlen(num_splits):
+    """Four ragged sequences (one empty, one of one query) whose seqused_q/k stop short of them,
+    causal, unpacked, bf16 d128: the call's out and lse, and a check of them per sequence."""
     from test_varlen import check_sequences, ragged, run_varlen
 
-    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     lengths_q, lengths_k = [300, 1, 0, 257], [1000, 300, 5, 2048]
     used_q, used_k = [200, 1, 0, 129], [999, 1, 0, 1500]
     q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16)
     used = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
                 seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
-    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, causal=True, pack_gqa=False, num_splits=3,
-                          **used)
+    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, causal=True, pack_gqa=False,
+                          num_splits=num_splits, **used)
+    return lambda: check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q, used_k, causal=True)
+
+
+def test_sm90_split_kv_varlen(monkeypatch, launched):
+    # Varlen with split-KV: per-sequence shares of the keys; rows past seqused_q get 0 and -inf
+    # (no share writes them).
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    check = run_seqused_varlen(num_splits=3)
     assert launched[0] == "flash_fwd_sm90_hdim128_bf16_causal_split_sm90a" and launched[1].startswith("flash_combine_"), launched
-    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q, used_k, causal=True)
+    check()
 
 
 @pytest.mark.parametrize("c", [
@@ -413,17 +420,12 @@ def test_sm90_varlen_head_dim_below_the_instance(monkeypatch, launched, head_dim
 
 
 def test_sm90_varlen_seqused_and_dense(monkeypatch, launched):
-    from test_varlen import check_sequences, ragged, run_varlen
+    from test_varlen import ragged
 
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    lengths_q, lengths_k = [300, 1, 0, 257], [1000, 300, 5, 2048]
-    used_q, used_k = [200, 1, 0, 129], [999, 1, 0, 1500]
-    q, k, v, cu_q, cu_k = ragged(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16)
-    used = dict(seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
-                seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
-    out, lse = run_varlen(q, k, v, cu_q, cu_k, lengths_q, lengths_k, causal=True, pack_gqa=False, **used)
+    check = run_seqused_varlen(num_splits=1)
     assert launched == ["flash_fwd_sm90_hdim128_bf16_causal_sm90a"], launched
-    check_sequences(out, lse, q, k, v, lengths_q, lengths_k, used_q, used_k, causal=True)
+    check()
 
     # One sequence: the varlen call is the dense one, bitwise (same family, same tiles).
     q, k, v, cu_q, cu_k = ragged([777], [1030], 4, 4, 64, torch.float16)
