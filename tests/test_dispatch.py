@@ -261,11 +261,22 @@ def test_sm90_forward_dropout():
 def test_sm90_forward_paged():
     # Paged K/V of any page size (the kernel takes TMA boxes or gathers rows, fwd_sm90.cuh): the
     # paged sm90 instances, packed as the heuristic packs paged calls, split where asked.
-    paged = plan(sm90=True, paged=True, nheads_k=4, seqlen_q=100, seqlen_k=4096)
+    from flashgen.generator.tiles import fwd_tile
+
+    block_n = {d: fwd_tile("sm90", "sm_90a", d).block_n for d in (64, 128)}
+    paged = plan(sm90=True, paged=True, page_size=256, nheads_k=4, seqlen_q=100, seqlen_k=4096)
     assert paged.spec.uri == "flash_fwd_sm90_hdim128_bf16_packgqa_paged_sm90a", paged.spec.uri
-    assert plan(sm90=True, paged=True, num_splits=3).spec.uri == "flash_fwd_sm90_hdim128_bf16_paged_split_sm90a"
+    assert plan(sm90=True, paged=True, page_size=block_n[128], num_splits=3).spec.uri == (
+        "flash_fwd_sm90_hdim128_bf16_paged_split_sm90a")
+    # Pages that split the key blocks, a left pad or no page size: the gather instance.
+    for page_size, leftpad in [(1, False), (16, False), (block_n[128] + 16, False), (256, True), (0, False)]:
+        chosen = plan(sm90=True, paged=True, page_size=page_size, leftpad=leftpad)
+        assert chosen.spec.uri == "flash_fwd_sm90_hdim128_bf16_paged_gather_sm90a", (page_size, leftpad, chosen.spec.uri)
+    # d64's 256-key blocks: pages of 128 split them.
+    assert plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64] // 2).spec.gather
+    assert not plan(sm90=True, paged=True, head_dim=64, page_size=block_n[64]).spec.gather
     # A group that does not divide the tile's 128 rows: unpacked; decode rows: the sm80 decode tile.
-    odd_group = plan(sm90=True, paged=True, nheads=12, nheads_k=4, seqlen_q=100)
+    odd_group = plan(sm90=True, paged=True, page_size=256, nheads=12, nheads_k=4, seqlen_q=100)
     assert odd_group.spec.uri == "flash_fwd_sm90_hdim128_bf16_paged_sm90a", odd_group.spec.uri
     assert plan(sm90=True, paged=True, seqlen_q=1, nheads_k=4).spec.family == "sm80"
 

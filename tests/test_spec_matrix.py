@@ -13,7 +13,7 @@ from flashgen.generator.spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, Ke
 URI_PATTERN = re.compile(
     r"flash_(?P<direction>fwd|bwd|append|combine|bwd_pre|bwd_post)_(?P<family>sm\d+)(?:_hdim(?P<head_dim>\d+))?_(?P<dtype>fp16|bf16|fp32)"
     r"(?:_(?P<mask>causal|local))?(?P<softcap>_softcap)?(?P<pack_gqa>_packgqa)?(?P<paged>_paged)?"
-    r"(?P<decode>_decode)?(?P<dropout>_dropout)?(?P<split>_split)?_(?P<arch>sm\d+a?)"
+    r"(?P<decode>_decode)?(?P<dropout>_dropout)?(?P<split>_split)?(?P<gather>_gather)?_(?P<arch>sm\d+a?)"
 )
 # softcap, pack_gqa, paged, decode; plus the dropout variants of the unpaged, non-decode ones
 FWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * (2 * 2 * 2 * 2 + 2 * 2)
@@ -21,8 +21,9 @@ BWD_PER_ARCH = len(DTYPES) * len(HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dro
 # + append, combine, bwd_pre, bwd_post
 PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 * len(DTYPES)
 # The sm90 forward (sm_90a only): dtypes x its head dims x (none, causal, local) x softcap x PackGQA.
-# softcap x PackGQA x paged x split, plus dropout for the unpacked, unsplit, unpaged ones (softcap)
-SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * (2 * 2 * 2 * 2 + 2)
+# softcap x PackGQA x (unpaged, paged by TMA, paged gathered) x split, plus dropout for the
+# unpacked, unsplit, unpaged ones (softcap)
+SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * (2 * 2 * 3 * 2 + 2)
 SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
 
 
@@ -44,6 +45,7 @@ def test_uris_unique_and_readable():
         assert bool(match["decode"]) == spec.decode
         assert bool(match["dropout"]) == spec.dropout
         assert bool(match["split"]) == spec.split
+        assert bool(match["gather"]) == spec.gather
         assert match["arch"] == spec.arch.replace("_", "")
 
 
@@ -84,6 +86,7 @@ def test_matrix_counts():
     assert len(sm90_fwd) == SM90_FWD and len(sm90_bwd) == SM90_BWD
     assert all(s.arch == "sm_90a" and not s.decode for s in sm90)
     assert all(s.direction == "fwd" for s in sm90 if s.paged)
+    assert all(s.paged and s.direction == "fwd" for s in sm90 if s.gather)
     assert all(not (s.pack_gqa or s.split or s.paged) and s.direction == "fwd" for s in sm90 if s.dropout)
     assert all(s.head_dim in matrix.SM90_FWD_HEAD_DIMS for s in sm90_fwd)
     assert all(s.head_dim in matrix.SM90_BWD_HEAD_DIMS and not s.pack_gqa for s in sm90_bwd)

@@ -69,16 +69,17 @@ def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
         if dropout and (paged or decode):  # dropout is for training (see spec.py)
             continue
         yield KernelSpec("fwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, pack_gqa, paged, decode, dropout)
-    # sm90: split-KV and paged K/V are instance switches (fwd_sm90.cuh: kSplit, kPaged), so calls
-    # without them run no code of them; dropout (training) for the unpacked, unsplit, unpaged ones.
-    for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, split, dropout in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags, flags, flags, flags
+    # sm90: split-KV and paged K/V are instance switches (fwd_sm90.cuh: kSplit, kPaged, and for
+    # pages that split key blocks kGather), so calls without them run no code of them; dropout
+    # (training) for the unpacked, unsplit, unpaged ones.
+    for arch, dtype, head_dim, mask, softcap, pack_gqa, paged, split, dropout, gather in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_FWD_HEAD_DIMS, SM90_FWD_MASKS, flags, flags, flags, flags, flags, flags
     ):
-        if dropout and (pack_gqa or split or paged):
+        if (dropout and (pack_gqa or split or paged)) or (gather and not paged):
             continue
         if archs is None or arch in archs:
             yield KernelSpec("fwd", "sm90", arch, dtype, head_dim, mask, softcap, pack_gqa, paged,
-                             dropout=dropout, split=split)
+                             dropout=dropout, split=split, gather=gather)
 
 
 def append_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

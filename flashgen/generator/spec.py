@@ -72,6 +72,7 @@ class KernelSpec:
     decode: bool = False
     dropout: bool = False
     split: bool = False  # sm90 forward: split-KV partials (the sm80 forward takes num_splits at run time)
+    gather: bool = False  # sm90 paged forward: K/V rows gathered by cp.async (pages that split key blocks)
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -96,8 +97,10 @@ class KernelSpec:
                 raise ValueError(f"sm90 dropout is the unpacked, unsplit forward's: {self}")
             if self.split and (self.family != "sm90" or self.direction != "fwd"):
                 raise ValueError(f"split instances are the sm90 forward's: {self}")
+            if self.gather and (self.family != "sm90" or self.direction != "fwd" or not self.paged):
+                raise ValueError(f"gather instances are the sm90 paged forward's: {self}")
         elif (self.head_dim, self.mask, self.softcap, self.pack_gqa, self.paged, self.decode, self.dropout,
-              self.split) != (0, "none", False, False, False, False, False, False):
+              self.split, self.gather) != (0, "none", False, False, False, False, False, False, False):
             raise ValueError(f"{self.direction} kernels take the head dim at run time and no switches: {self}")
         if not self.arch.startswith("sm_"):
             raise ValueError(f"arch must look like 'sm_80' or 'sm_90a', got {self.arch!r}")
@@ -123,6 +126,8 @@ class KernelSpec:
             parts.append("dropout")
         if self.split:
             parts.append("split")
+        if self.gather:
+            parts.append("gather")
         parts.append(self.arch.replace("_", ""))
         return "_".join(parts)
 

@@ -76,7 +76,7 @@ def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: in
     divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads), and none
     of the features it does not have yet (the decode tile and its split-KV, dropout with PackGQA or
     paging: the dropout instances are unpacked and unpaged). Paged K/V of any page size: by TMA
-    where pages hold whole key blocks, else gathered (fwd_sm90.cuh: kv_gather)."""
+    where pages hold whole key blocks, else gathered (the gather instances, fwd_sm90.cuh: kGather)."""
     return (sm90_instance_head_dim(head_dim) is not None and mask in matrix.SM90_FWD_MASKS
             and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
             and not (decode or (dropout and (pack_gqa or paged))))
@@ -133,6 +133,8 @@ def plan_fwd(
     varlen_uniform: bool = False,
     dropout: bool = False,
     sm90: bool = False,
+    page_size: int = 0,
+    leftpad: bool = False,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
@@ -142,6 +144,9 @@ def plan_fwd(
     MAX_SPLITS); ``varlen``: seqlen_q / seqlen_k are the longest sequences of a variable-length batch;
     ``varlen_uniform``: and every sequence is that long (the tensors hold batch x longest rows);
     ``dropout``: the instance with the Philox mask (never paged, never the decode tile);
+    ``page_size``, ``leftpad``: a paged cache's rows per page and whether keys start past a left
+    pad (the sm90 forward's TMA takes pages of whole key blocks without a left pad; the rest its
+    gather instances);
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
@@ -183,7 +188,7 @@ def plan_fwd(
             arch=arch, dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             nheads=nheads, nheads_k=nheads_k, mask=mask, window_left=window_left, window_right=window_right,
             softcap=softcap, pack=sm90_pack, device=device, num_splits=num_splits, varlen=varlen,
-            varlen_uniform=varlen_uniform, paged=paged, dropout=dropout,
+            varlen_uniform=varlen_uniform, paged=paged, dropout=dropout, page_size=page_size, leftpad=leftpad,
         )
         if sm90_plan is not None:
             return sm90_plan
@@ -221,7 +226,7 @@ def plan_fwd(
 
 def _plan_fwd_sm90(
     *, arch, dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask, window_left, window_right,
-    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform, paged, dropout,
+    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform, paged, dropout, page_size, leftpad,
 ) -> FwdPlan | None:
     """plan_fwd for a call the sm90 forward covers, or None where the kernel's 32-bit counters
     could overflow or dropout meets split-KV (no such instance): the sm80 grid serves those.
@@ -258,6 +263,9 @@ def _plan_fwd_sm90(
     # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
     if seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
         return None
+    # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
+    # pad: the gather instance; pages of whole blocks: the TMA's.
+    gather = paged and (leftpad or page_size <= 0 or page_size % tile.block_n != 0)
     spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, pack, paged, dropout=dropout,
-                      split=num_splits > 1)
+                      split=num_splits > 1, gather=gather)
     return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, window_left, window_right)

@@ -453,7 +453,7 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         num_splits=num_splits, family=config.forced_family(), varlen=True, dropout=dropout_p > 0,
         varlen_uniform=seqused_q is None and seqused_k is None and not paged
         and total_q == batch * max_seqlen_q and capacity == batch * max_seqlen_k,
-        sm90=info.capability[0] == 9 and tma.compatible(q, k, v),
+        sm90=info.capability[0] == 9 and tma.compatible(q, k, v), page_size=page_size if paged else 0,
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)

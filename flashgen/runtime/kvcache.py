@@ -63,7 +63,7 @@ def flash_attn_with_kvcache(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity,
         nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=tuple(window_size),
         softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged, num_splits=int(num_splits),
-        family=config.forced_family(),
+        family=config.forced_family(), page_size=page_size if paged else 0, leftpad=cache_leftpad is not None,
         # Calls with more query rows than the decode tile's may take the sm90 forward
         # (cache_seqlens, cache_batch_idx and leftpad are its seqused_k, K/V batch index and key
         # offset; a paged cache by TMA when its pages hold whole key blocks and there is no left

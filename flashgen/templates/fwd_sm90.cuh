@@ -28,7 +28,7 @@
 // a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
 // Paged K/V (kPaged), any page size: by TMA where pages hold whole key blocks, otherwise gathered
-// by the producer warpgroup's cp.async (kv_gather). Dropout (unpacked, unsplit, unpaged
+// by the producer warpgroup's cp.async (kGather instances). Dropout (unpacked, unsplit, unpaged
 // instances): common.cuh's Philox mask on P after the row sums. Not yet here: of
 // FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
 // branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
@@ -51,7 +51,8 @@ struct Sm90FwdParams {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
-          bool kPackGQA_, bool kSplit_, bool kPaged_, bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
+          bool kPackGQA_, bool kSplit_, bool kPaged_, bool kGather_, bool kDropout_, int kProducerRegs_,
+          int kConsumerRegs_>
 struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
@@ -72,8 +73,12 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kSplit = kSplit_;
     // Paged K/V ((pages, page_size, heads, d) caches, a block table per sequence): a block that
     // lies within one page (page sizes that are multiples of kBlockN, no left pad) is one TMA box
-    // at (row in page, head, page); otherwise the producers gather its rows (kv_gather).
+    // at (row in page, head, page); otherwise (kGather, the host's choice) the producers gather
+    // its rows. Separate instances, so that the TMA-paged consumers carry no proxy fence (behind a
+    // run-time branch it cost them 8-10% on the H200).
     static constexpr bool kPaged = kPaged_;
+    static constexpr bool kGather = kGather_;
+    static_assert(kPaged || !kGather, "gather instances are paged");
     // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so the sm80
     // backward regenerates what this kernel drew.
     static constexpr bool kDropout = kDropout_;
@@ -93,8 +98,8 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockN * 128 % 1024 == 0, "key block");
 };
 
-// Paged K/V gathered by the producer warpgroup (fwd_sm90.cuh: kv_gather), a template of its own so
-// that only the paged instances carry its code. Key j is row (leftpad + j) % page_size of page
+// Paged K/V gathered by the producer warpgroup (kGather instances), a template of its own so
+// that only those instances carry its code. Key j is row (leftpad + j) % page_size of page
 // pages[(leftpad + j) / page_size] (as in the sm80 family). Thread t copies 16-byte chunk t % 8 of
 // rows t / 8 + 16 i of each 64-column panel, to the swizzled place the TMA would have written. A
 // block's rows are looked up once, before its copies, one row per lane of each warp (kLookups
@@ -237,11 +242,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         return 1;
     };
 
-    // Paged K/V whose key blocks straddle pages (a page size that is not a multiple of kBlockN, or
-    // a left pad shifting the keys): the producer warpgroup gathers each block's rows with cp.async
-    // (kv_gather), and every one of its threads arrives on the block's full barriers once its copies
-    // have landed. Otherwise one thread's TMA loads (one arrival, the bytes as the transaction count).
-    bool const kv_gather = Tr::kPaged && (params.page_size.divisor % kBlockN != 0 || params.leftpad_k_ptr != nullptr);
+    // Paged K/V whose key blocks straddle pages (kGather: a page size that is not a multiple of
+    // kBlockN, or a left pad shifting the keys): the producer warpgroup gathers each block's rows
+    // with cp.async, and every one of its threads arrives on the block's full barriers once its
+    // copies have landed. Otherwise one thread's TMA loads (one arrival, the bytes as the
+    // transaction count).
+    constexpr bool kv_gather = Tr::kGather;
     int const kv_arrivals = kv_gather ? Tr::kNThreads - Tr::kConsumerThreads : 1;
     if (tid == 0) {
         mbar_init(bar_q, 1);
@@ -287,25 +293,23 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                     int const n_block = tile.n_block_max - 1 - it;
                     int const stage = used % kStages;
                     uint32_t const parity = ((used / kStages) & 1) ^ 1;  // the previous use's phase
-                    if constexpr (Tr::kPaged) {
-                        if (kv_gather) {
-                            using Gather = Sm90PagedGather<Tr>;
-                            int64_t k_offset[Gather::kLookups], v_offset[Gather::kLookups];
-                            Gather::lookup_rows(params, pages, tile.seq, n_block, tid, k_offset, v_offset);
-                            int const column = lane % 8 * 8;
-                            if (used >= kStages) mbar_wait(empty_k(stage), parity);
-                            Gather::copy_block(sK(stage), reinterpret_cast<const T*>(params.k_ptr) +
-                                                              bidh_kv * params.k_head_stride + column,
-                                               k_offset, tid, params.head_dim);
-                            cp_async_mbar_arrive(full_k(stage));  // once this thread's copies have landed
-                            if (used >= kStages) mbar_wait(empty_v(stage), parity);
-                            Gather::copy_block(sV(stage), reinterpret_cast<const T*>(params.v_ptr) +
-                                                              bidh_kv * params.v_head_stride + column,
-                                               v_offset, tid, params.head_dim);
-                            cp_async_mbar_arrive(full_v(stage));
-                            ++used;
-                            return;
-                        }
+                    if constexpr (Tr::kGather) {
+                        using Gather = Sm90PagedGather<Tr>;
+                        int64_t k_offset[Gather::kLookups], v_offset[Gather::kLookups];
+                        Gather::lookup_rows(params, pages, tile.seq, n_block, tid, k_offset, v_offset);
+                        int const column = lane % 8 * 8;
+                        if (used >= kStages) mbar_wait(empty_k(stage), parity);
+                        Gather::copy_block(sK(stage), reinterpret_cast<const T*>(params.k_ptr) +
+                                                          bidh_kv * params.k_head_stride + column,
+                                           k_offset, tid, params.head_dim);
+                        cp_async_mbar_arrive(full_k(stage));  // once this thread's copies have landed
+                        if (used >= kStages) mbar_wait(empty_v(stage), parity);
+                        Gather::copy_block(sV(stage), reinterpret_cast<const T*>(params.v_ptr) +
+                                                          bidh_kv * params.v_head_stride + column,
+                                           v_offset, tid, params.head_dim);
+                        cp_async_mbar_arrive(full_v(stage));
+                        ++used;
+                        return;
                     }
                     int kv_row = k_row0 + n_block * kBlockN, kv_batch = k_batch;
                     if constexpr (Tr::kPaged) {
@@ -350,7 +354,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 for (int it = 1; it < n_blocks; ++it) load_kv(it);
                 ++tile_count;
             }
-            if (kv_gather) cp_async_wait<0>();  // no thread exits with copies in flight
+            if constexpr (kv_gather) cp_async_wait<0>();  // no thread exits with copies in flight
         }
         return;
     }
@@ -465,11 +469,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         }
     };
     // The consumers wait on a K or V block's full barrier with mbar_wait_fenced: gathered blocks
-    // (kv_gather) were written by the producers' cp.async, in the generic proxy, which the wgmma
+    // (kGather) were written by the producers' cp.async, in the generic proxy, which the wgmma
     // reads (async proxy) only after a proxy fence. (Announcing them from the producers instead,
     // each thread fencing once its copies had landed, kept the fence out of these loops but ran
-    // the gather 0.87-0.92x the sm80 family's where this runs 1.04-1.07x; the fence's branch costs
-    // pages of whole blocks, which take the TMA in the same instances, 8-10% on the H200.)
+    // the gather 0.87-0.92x the sm80 family's where this runs 1.04-1.07x.)
     // The rows of a tile's first key block (the last in key order) past the sequence's keys: the
     // next sequence's under varlen, or rows a shorter seqused_k leaves unused (the TMA stops only
     // at the tensor's end). P is 0 there, but 0 times an inf or NaN value is NaN, so those V rows
@@ -562,7 +565,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 uint32_t const parity = parity_of(it);
                 float s[kSRegs];
                 float correction[2];
-                mbar_wait_fenced<Tr::kPaged>(full_k(stage), parity, kv_gather);
+                mbar_wait_fenced<Tr::kGather>(full_k(stage), parity);
                 wgmma_fence();
                 issue_qk(stage, s);
                 wgmma_commit();
@@ -573,7 +576,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 softmax(n_block_max - 1 - it, s, correction);
                 rescale_o(correction);
                 pack_p(s, p);
-                mbar_wait_fenced<Tr::kPaged>(full_v(stage), parity, kv_gather);
+                mbar_wait_fenced<Tr::kGather>(full_v(stage), parity);
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_pv(stage, p);
@@ -586,7 +589,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         if (Tr::kOverlap && n_blocks > 0) {
             float s[kSRegs];
             float correction[2];
-            mbar_wait_fenced<Tr::kPaged>(full_k(stage_of(0)), parity_of(0), kv_gather);
+            mbar_wait_fenced<Tr::kGather>(full_k(stage_of(0)), parity_of(0));
             wgmma_fence();
             issue_qk(stage_of(0), s);
             wgmma_commit();
@@ -602,8 +605,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             // stalls) ahead of the softmax. Then O is rescaled and block it's P packed.
             auto start_block = [&](int it) {
                 int const stage = stage_of(it), prev = stage_of(it - 1);
-                mbar_wait_fenced<Tr::kPaged>(full_k(stage), parity_of(it), kv_gather);
-                mbar_wait_fenced<Tr::kPaged>(full_v(prev), parity_of(it - 1), kv_gather);
+                mbar_wait_fenced<Tr::kGather>(full_k(stage), parity_of(it));
+                mbar_wait_fenced<Tr::kGather>(full_v(prev), parity_of(it - 1));
                 fence_registers(acc_o);
                 wgmma_fence();
                 issue_qk(stage, s);
@@ -630,7 +633,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             }
             if (n_blocks > 1) finish_block(n_blocks - 1);
             int const last = stage_of(n_blocks - 1);
-            mbar_wait_fenced<Tr::kPaged>(full_v(last), parity_of(n_blocks - 1), kv_gather);
+            mbar_wait_fenced<Tr::kGather>(full_v(last), parity_of(n_blocks - 1));
             fence_registers(acc_o);
             wgmma_fence();
             issue_pv(last, p);

@@ -56,14 +56,12 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     }
 }
 
-// mbar_wait, then, where kMayFence and `fence`, a proxy fence: shared memory written by cp.async
-// (generic proxy) before the wgmma reads it (async proxy).
-template <bool kMayFence>
-__device__ __forceinline__ void mbar_wait_fenced(uint32_t bar, uint32_t parity, bool fence) {
+// mbar_wait, then with kFence a proxy fence: shared memory written by cp.async (generic proxy)
+// before the wgmma reads it (async proxy).
+template <bool kFence>
+__device__ __forceinline__ void mbar_wait_fenced(uint32_t bar, uint32_t parity) {
     mbar_wait(bar, parity);
-    if constexpr (kMayFence) {
-        if (fence) fence_proxy_async();
-    }
+    if constexpr (kFence) fence_proxy_async();
 }
 
 // ---- TMA: a 4-D box (columns, rows, head, batch) of a tensor map into shared memory, completing

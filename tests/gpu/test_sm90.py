@@ -340,7 +340,9 @@ def test_sm90_kvcache_paged(monkeypatch, launched, c):
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     case = dataclasses.replace(cases[c], batch=3)
     check_kvcache(make_kwargs(case))
-    assert any(u.startswith("flash_fwd_sm90_") and "_paged" in u for u in launched), launched
+    gather = c.startswith("gather-")  # the gather instances; the others the TMA's
+    assert any(u.startswith("flash_fwd_sm90_") and "_paged" in u and u.endswith("_gather_sm90a") == gather
+               for u in launched), launched
 
 
 @pytest.mark.parametrize("page_size", [256, 17])
@@ -359,6 +361,7 @@ def test_sm90_varlen_paged(monkeypatch, launched, page_size):
     out, lse = run_varlen(q, k_cache, v_cache, cu(lengths_q), cu(lengths_k), lengths_q, lengths_k,
                           block_table=table, causal=True)
     assert launched[0].startswith("flash_fwd_sm90_hdim128_bf16_causal_") and "_paged" in launched[0], launched
+    assert launched[0].endswith("_gather_sm90a") == (page_size % 128 != 0), launched
     k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
 
