@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_hdim128_bf16_local_softcap_sm90a(const __grid_constant__ flashgen::Sm90BwdParams params) {
     using Traits = flashgen::Sm90BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/128, /*kBlockM=*/64, /*kStages=*/2,
-        flashgen::Mask::Local, /*kSoftcap=*/true,
+        flashgen::Mask::Local, /*kSoftcap=*/true, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockN == 128,
                   "threads or keys per CTA: the kernel's and the host's (Sm90BwdTile) differ");

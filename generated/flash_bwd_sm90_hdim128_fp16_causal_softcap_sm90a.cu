@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_hdim128_fp16_causal_softcap_sm90a(const __grid_constant__ flashgen::Sm90BwdParams params) {
     using Traits = flashgen::Sm90BwdTraits<
         flashgen::half_t, /*kHeadDim=*/128, /*kBlockM=*/64, /*kStages=*/2,
-        flashgen::Mask::Causal, /*kSoftcap=*/true,
+        flashgen::Mask::Causal, /*kSoftcap=*/true, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockN == 128,
                   "threads or keys per CTA: the kernel's and the host's (Sm90BwdTile) differ");

@@ -378,12 +378,17 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ca
     dict(sm90=True, family="sm80"),      # the sm80 family forced
     dict(sm90=True, head_dim=136),       # above the largest sm90 backward instance
     dict(sm90=True, head_dim=256),
-    dict(sm90=True, dropout=True),       # no dropout in the sm90 backward
     dict(sm90=True, device=(8, 0)),      # not Hopper
 ])
 def test_sm90_backward_leaves_the_rest_to_sm80(overrides):
     chosen = _plan_bwd(**overrides)
     assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec)
+
+
+def test_sm90_backward_with_dropout():
+    # Dropout has its sm90 backward instances (the forward's Philox mask regenerated, bwd_sm90.cuh).
+    chosen = _plan_bwd(sm90=True, dropout=True)
+    assert chosen.spec.family == "sm90" and chosen.spec.dropout and is_in_matrix(chosen.spec), chosen.spec
 
 
 @pytest.mark.parametrize("head_dim, instance", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128)])

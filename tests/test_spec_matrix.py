@@ -24,7 +24,7 @@ PER_ARCH = FWD_PER_ARCH + BWD_PER_ARCH + len(DTYPES) + len(COMBINE_DTYPES) + 2 *
 # softcap x PackGQA x (unpaged, paged by TMA, paged gathered) x split, plus dropout for the
 # unpacked, unsplit, unpaged ones (softcap)
 SM90_FWD = len(DTYPES) * len(matrix.SM90_FWD_HEAD_DIMS) * len(matrix.SM90_FWD_MASKS) * (2 * 2 * 3 * 2 + 2)
-SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2  # softcap
+SM90_BWD = len(DTYPES) * len(matrix.SM90_BWD_HEAD_DIMS) * len(MASKS) * 2 * 2  # softcap, dropout
 
 
 def test_uris_unique_and_readable():
@@ -87,7 +87,7 @@ def test_matrix_counts():
     assert all(s.arch == "sm_90a" and not s.decode for s in sm90)
     assert all(s.direction == "fwd" for s in sm90 if s.paged)
     assert all(s.paged and s.direction == "fwd" for s in sm90 if s.gather)
-    assert all(not (s.pack_gqa or s.split or s.paged) and s.direction == "fwd" for s in sm90 if s.dropout)
+    assert all(not (s.pack_gqa or s.split or s.paged) for s in sm90 if s.dropout)
     assert all(s.head_dim in matrix.SM90_FWD_HEAD_DIMS for s in sm90_fwd)
     assert all(s.head_dim in matrix.SM90_BWD_HEAD_DIMS and not s.pack_gqa for s in sm90_bwd)
     for specs in (sm90_fwd, sm90_bwd):
@@ -131,7 +131,8 @@ def test_every_capability_maps_into_the_matrix():
 @pytest.mark.parametrize("change, error", [
     (dict(direction="bwd", paged=True), "backward"), (dict(decode=True), "sm90 family"),
     (dict(dropout=True, pack_gqa=True), "sm90 dropout"), (dict(dropout=True, split=True), "sm90 dropout"),
-    (dict(dropout=True, paged=True), "dropout is for training"), (dict(dropout=True, direction="bwd"), "sm90 dropout|dropout"),
+    (dict(dropout=True, paged=True), "dropout is for training"),
+    (dict(dropout=True, direction="bwd", pack_gqa=True), "backward|sm90 dropout"),
 ])
 def test_sm90_spec_has_no_backward_paging_decode_or_packed_dropout(change, error):
     fields = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="none")

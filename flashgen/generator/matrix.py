@@ -100,11 +100,11 @@ def bwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:
     ):
         if archs is None or arch in archs:
             yield KernelSpec("bwd", BASE_FAMILY, arch, dtype, head_dim, mask, softcap, dropout=dropout)
-    for arch, dtype, head_dim, mask, softcap in itertools.product(
-        FAMILY_ARCHS["sm90"], DTYPES, SM90_BWD_HEAD_DIMS, MASKS, (False, True)
+    for arch, dtype, head_dim, mask, softcap, dropout in itertools.product(
+        FAMILY_ARCHS["sm90"], DTYPES, SM90_BWD_HEAD_DIMS, MASKS, (False, True), (False, True)
     ):
         if archs is None or arch in archs:
-            yield KernelSpec("bwd", "sm90", arch, dtype, head_dim, mask, softcap)
+            yield KernelSpec("bwd", "sm90", arch, dtype, head_dim, mask, softcap, dropout=dropout)
 
 
 def bwd_row_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -73,7 +73,8 @@ def render_instance(spec: KernelSpec) -> str:
     )
     if spec.direction == "bwd" and spec.family == "sm90":
         return _env().get_template("bwd_sm90_instance.cu.j2").render(
-            **attention, producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
+            **attention, dropout=_cpp_bool(spec.dropout),
+            producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
         )
     if spec.direction == "bwd":
         return _env().get_template("bwd_instance.cu.j2").render(

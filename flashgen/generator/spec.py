@@ -93,8 +93,8 @@ class KernelSpec:
                 raise ValueError(f"dropout is for training: no paged or decode variants: {self}")
             if self.family == "sm90" and self.decode:
                 raise ValueError(f"the sm90 family has no decode tile: {self}")
-            if self.family == "sm90" and self.dropout and (self.direction != "fwd" or self.pack_gqa or self.split):
-                raise ValueError(f"sm90 dropout is the unpacked, unsplit forward's: {self}")
+            if self.family == "sm90" and self.dropout and (self.pack_gqa or self.split):
+                raise ValueError(f"sm90 dropout instances are unpacked and unsplit: {self}")
             if self.split and (self.family != "sm90" or self.direction != "fwd"):
                 raise ValueError(f"split instances are the sm90 forward's: {self}")
             if self.gather and (self.family != "sm90" or self.direction != "fwd" or not self.paged):

@@ -49,10 +49,10 @@ def plan_bwd(
     allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
     family = matrix.family_for(arch) if family in (None, "sm90") else family
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
-    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim, dropout=dropout):
+    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim):
         sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
         tile = bwd_tile("sm90", arch, sm90_head_dim)
-        spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0)
+        spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
@@ -68,10 +68,10 @@ def sm90_bwd_instance_head_dim(head_dim: int) -> int | None:
     return next((d for d in matrix.SM90_BWD_HEAD_DIMS if head_dim <= d), None)
 
 
-def sm90_bwd_covers(*, head_dim: int, dropout: bool) -> bool:
+def sm90_bwd_covers(*, head_dim: int) -> bool:
     """Whether the sm90 backward has an instance for a call the TMA can read: any head dim up to
-    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA; no dropout."""
-    return sm90_bwd_instance_head_dim(head_dim) is not None and not dropout
+    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA, dropout."""
+    return sm90_bwd_instance_head_dim(head_dim) is not None
 
 
 def flash_bwd(

@@ -27,7 +27,13 @@
 // Head dims below an instance's run on it: the TMA zero-fills Q's, K's, V's and dO's columns past the
 // call's, which add nothing; dK and dV are stored for the call's columns, and the dQ buffer's
 // tensor map, as wide as the call, drops the tile's extra columns. Not here (the sm80 backward
-// serves those calls): seqused_q/k, dropout, deterministic mode, head dims above 128.
+// serves those calls): seqused_q/k, deterministic mode, head dims above 128.
+//
+// Dropout (kDropout): the forward's Philox mask (common.cuh's Dropout) regenerated per step. A
+// thread's keys key and key + 8 of a query lie in one Philox block (the 16 keys of quad lane
+// (key % 8) / 2 of a 64-key group), whose word for the thread's 16-key chunk it and its partner
+// lane ^ 4 (the same queries, the other key parity) both need: each draws the block of one of the
+// pair's two query columns and they swap words, so a step costs kBlockM / 8 blocks a thread.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -48,7 +54,7 @@ struct Sm90BwdParams {
     BwdParams p;
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_, Mask kMask_, bool kSoftcap_,
+template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_, Mask kMask_, bool kSoftcap_, bool kDropout_,
           int kProducerRegs_, int kConsumerRegs_>
 struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
@@ -59,6 +65,7 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kStages = kStages_;  // Q/dO (and LSE/D) stages
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
+    static constexpr bool kDropout = kDropout_;  // the forward's Philox mask on P (and dP)
     static constexpr int kPanels = kHeadDim / 64;
     static constexpr int kPanelKBytes = kBlockN * 128;
     static constexpr int kKBytes = kPanels * kPanelKBytes;  // K or V
@@ -128,6 +135,8 @@ struct Sm90BwdStep {
     int query;           // this thread's first query (n8 tile i adds 8 i, the odd element 1)
     int diag;            // seqlen_k - seqlen_q
     float slope;         // ALiBi slope (scaled), if kAlibi
+    uint32_t bh;         // dropout: batch * nheads + query head
+    int key_group;       // dropout: the 64-key group of this thread's keys
 };
 
 // Sᵀ -> Pᵀ and dPᵀ -> dSᵀ in place, for one consumer's 64 keys x kBlockM queries (accumulator
@@ -136,12 +145,24 @@ struct Sm90BwdStep {
 // postprocess kernel). Masked elements are 0 in both.
 template <typename Tr, bool kNeedMask, bool kAlibi>
 __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2], float (&dp)[Tr::kBlockM / 2],
-                                                      const Sm90BwdStep& a, const BwdParams& params) {
+                                                      const Sm90BwdStep& a, const BwdParams& params,
+                                                      const Dropout& dropout) {
     int const lane = threadIdx.x % 32;
+    int const chunk_in_group = (threadIdx.x / 32) % 4;  // the warp's 16 keys within the consumer's 64
 #pragma unroll
     for (int i = 0; i < Tr::kBlockM / 8; ++i) {
         float2 const lse2 = ld_shared_f32x2(a.lse + (i * 8 + 2 * (lane % 4)) * 4);
         float2 const dsum2 = ld_shared_f32x2(a.dsum + (i * 8 + 2 * (lane % 4)) * 4);
+        // Dropout: the Philox words of the n8 tile's two query columns for this thread's chunk.
+        uint32_t word0 = 0, word1 = 0;
+        if constexpr (Tr::kDropout) {
+            int const mine = (lane / 4) % 2;  // the column this lane draws; lane ^ 4 draws the other
+            uint32_t const w = Dropout::word(dropout.block(a.bh, a.query + i * 8 + mine, a.key_group, lane / 8),
+                                             chunk_in_group);
+            uint32_t const other = __shfl_xor_sync(0xffffffffu, w, 4);
+            word0 = mine ? other : w;
+            word1 = mine ? w : other;
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int const key = a.key + 8 * (e / 2);
@@ -155,7 +176,16 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2
             }
             if constexpr (kAlibi) score = alibi_score(score, a.slope, float(query + a.diag - key));
             float p = exp2_approx(score * params.scale_log2 - (e % 2 ? lse2.y : lse2.x));
-            float ds = p * (dp[i * 4 + e] - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
+            float ds;
+            if constexpr (Tr::kDropout) {
+                // O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled the same way
+                // before the softmax's backward (key + 8 (e / 2) is byte 2 (e / 2) + (lane / 4) % 2).
+                bool const kept = dropout.keep(e % 2 ? word1 : word0, 2 * (e / 2) + (lane / 4) % 2);
+                ds = p * ((kept ? dp[i * 4 + e] * params.rp_dropout : 0.f) - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
+                p = kept ? p * params.rp_dropout : 0.f;
+            } else {
+                ds = p * (dp[i * 4 + e] - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
+            }
             if constexpr (kNeedMask) {
                 bool const hidden =
                     key_hidden<Tr::kMask>(key, query + a.diag, params.seqlen_k, params.window_left, params.window_right);
@@ -356,6 +386,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     int const dq_q0 = Tr::kDQSplitColumns ? 0 : consumer * 64;
     int const dq_col0 = Tr::kDQSplitColumns ? consumer * Tr::kDQWidth : 0;
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
+    Dropout const dropout = Dropout::from(params);
 
     float acc_dk[kDKRegs], acc_dv[kDKRegs];
 #pragma unroll
@@ -430,13 +461,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                (kMasked && (q0 + diag + params.window_right < wg_key0 + 63 ||
                                             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > wg_key0)));
         Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag,
-                               slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f};
+                               slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f,
+                               uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + consumer * 64) / 64};
         if (need_mask) {
-            if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params);
-            else softmax_backward_sm90<Tr, true, false>(s, dp, step, params);
+            if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
+            else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
         } else {
-            if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params);
-            else softmax_backward_sm90<Tr, false, false>(s, dp, step, params);
+            if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
+            else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
         }
         uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
         pack_fragments<Element>(s, p_frag);

@@ -79,8 +79,8 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kPaged = kPaged_;
     static constexpr bool kGather = kGather_;
     static_assert(kPaged || !kGather, "gather instances are paged");
-    // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so the sm80
-    // backward regenerates what this kernel drew.
+    // Dropout: common.cuh's Philox mask, a function of (batch, head, query, key) alone, so either
+    // backward family regenerates what this kernel drew.
     static constexpr bool kDropout = kDropout_;
     static_assert(!(kDropout && (kSplit || kPackGQA || kPaged)), "dropout instances are unpacked, unsplit and unpaged");
     // Block j's P·V issued with block j + 1's Q·Kᵀ, so that the softmax overlaps an MMA (below).

@@ -630,3 +630,56 @@ def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched, 
     assert any(u.startswith(f"flash_bwd_sm90_hdim{head_dim}_") for u in launched), launched
     for name, g, (start, end) in zip(("dq", "dk", "dv"), grads, ((100, 300), (150, 350), (150, 350))):
         assert torch.isfinite(g[start:end]).all(), f"{name} of sequence 1 is not finite"
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra", [
+    pytest.param(64, 2, 300, 1023, 4, 4, torch.bfloat16, {}, id="d64"),
+    pytest.param(128, 1, 1023, 257, 8, 2, torch.bfloat16, {}, id="d128-gqa4"),
+    pytest.param(96, 2, 113, 300, 4, 1, torch.float16, {}, id="d96-mqa-fp16"),
+    pytest.param(128, 2, 177, 255, 4, 4, torch.bfloat16, {"softcap": 5.0, "alibi": True}, id="d128-softcap-alibi"),
+])
+def test_sm90_bwd_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype,
+                          extra):
+    # The sm90 backward's dropout instance regenerates the forward's Philox mask (each lane drawing
+    # one query column of a pair and swapping words with lane ^ 4): dq, dk, dv against the
+    # reference that applies the host's copy of that mask, and against the sm80 backward.
+    from test_bwd import grad_eps
+    from test_dropout import MASKS, mask_for, next_rng_state, ref_with_grads
+
+    from flashgen.testing import assert_close_fa_rule
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    features = dict(MASKS[mask])
+    if extra.get("softcap"):
+        features["softcap"] = extra["softcap"]
+    if extra.get("alibi"):
+        features["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    dout = torch.randn_like(q)
+    p = 0.3
+
+    def run():
+        torch.cuda.manual_seed(4321)
+        rng_state = next_rng_state()
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = flashgen.flash_attn_func(*leaves, dropout_p=p, **features)
+        return rng_state, torch.autograd.grad(out, leaves, dout)
+
+    rng_state, grads = run()
+    instance = sm90_bwd_instance_head_dim(head_dim)
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{instance}_") and u.endswith("_dropout_sm90a") for u in launched), launched
+    kwargs = dict(features, dropout_mask=mask_for(rng_state, p, q, k), dropout_p=p)
+    _, _, *grads_ref = ref_with_grads(q, k, v, dout, True, **kwargs)
+    _, _, *grads_pt = ref_with_grads(q, k, v, dout, False, **kwargs)
+    rule_k = 5.0 if "alibi_slopes" in features or "softcap" in features else 3.0
+    for name, g, g_ref, g_pt in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+        assert_close_fa_rule(g, g_ref, g_pt, k=rule_k, eps=grad_eps(g_ref), name=name)
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    launched.clear()
+    _, grads80 = run()
+    assert any(u.startswith("flash_bwd_sm80_") and "_dropout_" in u for u in launched), launched
+    for name, g, g80, g_ref, g_pt in zip(("dq", "dk", "dv"), grads, grads80, grads_ref, grads_pt):
+        bound = 2 * rule_k * (g_pt.float() - g_ref.float()).abs().max().item() + 2e-4
+        assert (g.float() - g80.float()).abs().max().item() <= bound, name
