@@ -23,9 +23,12 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
 # (block_m, block_n, warps, stages, warps_n, options); stages are capped by shared memory
-# (tiles.decode_tile). Options: "nopdl" launches the combine normally (not as a programmatic
-# dependent, sm_90), "nofill" keeps the split heuristic's count (dispatch.DECODE_FILL_WAVE).
-CANDIDATES = [(16, 128, 4, 2, 4, ()), (16, 128, 4, 2, 4, ("nopdl",)), (16, 128, 4, 2, 4, ("nofill",)),
+# (tiles.decode_tile). Options: "combine" merges split-KV partials with the combine kernel instead
+# of in a cluster (dispatch.MERGE_IN_CLUSTER), "nopdl" launches that combine normally (not as a
+# programmatic dependent, sm_90), "nofill" keeps the split heuristic's count (dispatch.DECODE_FILL_WAVE),
+# "fill<N>" fills the wave while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS).
+CANDIDATES = [(16, 128, 4, 2, 4, ()), (16, 128, 4, 2, 4, ("combine",)), (16, 128, 4, 2, 4, ("nofill",)),
+              (16, 128, 4, 2, 4, ("fill2",)), (16, 128, 4, 2, 4, ("fill4",)),
               (16, 64, 4, 4, 4, ()), (16, 64, 4, 3, 4, ()), (32, 64, 2, 3, 1, ()), (16, 128, 8, 2, 8, ())]
 
 
@@ -45,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
                         default=list(SHAPES))
-    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/STAGES[/nopdl][/nofill]",
+    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/STAGES[/combine][/nopdl][/nofill][/fillN]",
                         help="candidates to try instead of the built-in list, e.g. 16x64/4/4/3/nofill")
     args = parser.parse_args()
     candidates = CANDIDATES
@@ -64,11 +67,14 @@ def main() -> None:
     for shape in args.shapes:
         row = suites.decode_row(config(shape), [cudnn], timers, ceilings, "cuda", float("inf"))
         print(line("cuDNN", shape, row["impls"]["sdpa-cudnn"]), flush=True)
-    original = tiles.FWD_DECODE_TILE
+    original, fill_min_blocks = tiles.FWD_DECODE_TILE, dispatch.DECODE_FILL_MIN_BLOCKS
     for block_m, block_n, warps, stages, warps_n, options in candidates:
         tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps, stages, warps_n)
+        dispatch.MERGE_IN_CLUSTER = "combine" not in options
         interface.DEPENDENT_COMBINE = "nopdl" not in options
         dispatch.DECODE_FILL_WAVE = "nofill" not in options
+        dispatch.DECODE_FILL_MIN_BLOCKS = next((int(o[4:]) for o in options if o.startswith("fill")
+                                                and o[4:].isdigit()), fill_min_blocks)
         label = " ".join([f"{block_m}x{block_n} w{warps}/{warps_n} s{stages}", *options])
         launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
         cache._cubins.clear()
@@ -79,8 +85,8 @@ def main() -> None:
             if row["check"] is not None and not row["check"]["ok"]:
                 entry = {"skipped": f"output check failed: {row['check']}"}
             print(line(label, shape, entry), flush=True)
-    tiles.FWD_DECODE_TILE = original
-    interface.DEPENDENT_COMBINE = dispatch.DECODE_FILL_WAVE = True
+    tiles.FWD_DECODE_TILE, dispatch.DECODE_FILL_MIN_BLOCKS = original, fill_min_blocks
+    interface.DEPENDENT_COMBINE = dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim128_fp16_packgqa_paged_sm86(const __grid_constant__ flashgen:
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 65536, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_bf16_causal_softcap_packgqa_paged_sm80(const __grid_const
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_bf16_causal_softcap_packgqa_sm90a(const __grid_constant__
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_bf16_local_decode_sm80(const __grid_constant__ flashgen::
         /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/true>;
     static_assert(Traits::kSmemBytes == 104448, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_bf16_softcap_sm86(const __grid_constant__ flashgen::FwdPa
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

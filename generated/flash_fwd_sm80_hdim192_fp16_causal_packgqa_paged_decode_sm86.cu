@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_fp16_causal_packgqa_paged_decode_sm86(const __grid_consta
         /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/1,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/true>;
     static_assert(Traits::kSmemBytes == 55296, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_fp16_local_dropout_sm86(const __grid_constant__ flashgen:
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
-        /*kDropout=*/true>;
+        /*kDropout=*/true, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

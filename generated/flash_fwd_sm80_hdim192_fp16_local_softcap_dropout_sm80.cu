@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim192_fp16_local_softcap_dropout_sm80(const __grid_constant__ f
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
-        /*kDropout=*/true>;
+        /*kDropout=*/true, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 73728, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim256_bf16_causal_softcap_paged_decode_sm90a(const __grid_const
         /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/true>;
     static_assert(Traits::kSmemBytes == 139264, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim256_bf16_softcap_packgqa_dropout_sm90a(const __grid_constant_
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
-        /*kDropout=*/true>;
+        /*kDropout=*/true, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 98304, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim64_bf16_packgqa_sm86(const __grid_constant__ flashgen::FwdPar
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 32768, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim64_fp16_softcap_packgqa_dropout_sm90a(const __grid_constant__
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
-        /*kDropout=*/true>;
+        /*kDropout=*/true, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 49152, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

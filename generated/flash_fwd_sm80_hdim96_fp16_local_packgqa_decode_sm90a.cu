@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim96_fp16_local_packgqa_decode_sm90a(const __grid_constant__ fl
         /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/true>;
     static_assert(Traits::kSmemBytes == 101376, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

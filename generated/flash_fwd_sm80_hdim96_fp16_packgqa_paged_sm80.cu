@@ -11,7 +11,7 @@ flash_fwd_sm80_hdim96_fp16_packgqa_paged_sm80(const __grid_constant__ flashgen::
         /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
-        /*kDropout=*/false>;
+        /*kDropout=*/false, /*kDecode=*/false>;
     static_assert(Traits::kSmemBytes == 49152, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

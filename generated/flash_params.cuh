@@ -47,6 +47,7 @@ struct FwdParams {
     int seqlen_k_new;  // keys appended by this call: a batch element uses seqused_k[b] + this
     int kv_batch;  // K/V batch rows (or pages when paged): indices outside are treated as empty
     int num_splits;  // split-KV: > 1 writes partials to oaccum/lseaccum
+    int merge_in_cluster;  // decode split-KV on sm_90+: a tile's splits are one cluster and merge through distributed shared memory (no partials in global memory, no combine kernel); 0 otherwise
     int nheads;  // query heads
     int nheads_k;  // key/value heads
     int head_dim;  // actual head dim (<= the instance's), a multiple of 8
@@ -105,20 +106,21 @@ static_assert(__builtin_offsetof(FwdParams, seqlen_k) == 284, "Params layout dri
 static_assert(__builtin_offsetof(FwdParams, seqlen_k_new) == 288, "Params layout drift: seqlen_k_new");
 static_assert(__builtin_offsetof(FwdParams, kv_batch) == 292, "Params layout drift: kv_batch");
 static_assert(__builtin_offsetof(FwdParams, num_splits) == 296, "Params layout drift: num_splits");
-static_assert(__builtin_offsetof(FwdParams, nheads) == 300, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(FwdParams, nheads_k) == 304, "Params layout drift: nheads_k");
-static_assert(__builtin_offsetof(FwdParams, head_dim) == 308, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(FwdParams, window_left) == 312, "Params layout drift: window_left");
-static_assert(__builtin_offsetof(FwdParams, window_right) == 316, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 320, "Params layout drift: qhead_per_khead");
-static_assert(__builtin_offsetof(FwdParams, page_size) == 332, "Params layout drift: page_size");
-static_assert(__builtin_offsetof(FwdParams, scale_log2) == 344, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 348, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 352, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap) == 356, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 360, "Params layout drift: alibi_scale");
-static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 364, "Params layout drift: dropout_threshold");
-static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 368, "Params layout drift: rp_dropout");
+static_assert(__builtin_offsetof(FwdParams, merge_in_cluster) == 300, "Params layout drift: merge_in_cluster");
+static_assert(__builtin_offsetof(FwdParams, nheads) == 304, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(FwdParams, nheads_k) == 308, "Params layout drift: nheads_k");
+static_assert(__builtin_offsetof(FwdParams, head_dim) == 312, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(FwdParams, window_left) == 316, "Params layout drift: window_left");
+static_assert(__builtin_offsetof(FwdParams, window_right) == 320, "Params layout drift: window_right");
+static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 324, "Params layout drift: qhead_per_khead");
+static_assert(__builtin_offsetof(FwdParams, page_size) == 336, "Params layout drift: page_size");
+static_assert(__builtin_offsetof(FwdParams, scale_log2) == 348, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 352, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 356, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 360, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 364, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 368, "Params layout drift: dropout_threshold");
+static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 372, "Params layout drift: rp_dropout");
 #endif
 
 struct CombineParams {

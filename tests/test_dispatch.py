@@ -110,7 +110,7 @@ def test_plan_splits():
     assert p.spec.pack_gqa and p.num_splits == 4
 
 
-def test_plan_splits_drop_empty_splits_and_fill_the_decode_wave():
+def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_clusters():
     from flashgen.runtime import dispatch, heuristics
     from flashgen.runtime.dispatch import DeviceInfo
 
@@ -119,21 +119,33 @@ def test_plan_splits_drop_empty_splits_and_fill_the_decode_wave():
     # 2k keys are 16 blocks of 128: the heuristic's 14 splits would take 2 blocks each and leave
     # 6 splits empty; only the 8 with keys are launched.
     assert heuristics.num_splits_heuristic(8, 132, 16, 1, 2048 * 128 * 4, False, 128) == 14
-    assert plan(seqlen_k=2048, **decode).num_splits == 8
+    p = plan(seqlen_k=2048, **decode)
+    assert p.num_splits == 8 and p.merge_in_cluster  # one cluster of 8 per tile: no combine kernel
     # 32k keys: 8 CTAs x 15 splits would leave 12 SMs idle; 16 splits fill the wave and keep 16
-    # blocks each. 8k keys (4 blocks a split at 16) keep the heuristic's count.
+    # blocks each (more than a cluster merges: the combine kernel).
     p = plan(seqlen_k=32768, **decode)
-    assert p.num_splits == 16 and p.grid == (1, 8, 16)
-    assert plan(seqlen_k=8192, **decode).num_splits == 13  # 15 splits of 5 blocks: 13 with keys
+    assert p.num_splits == 16 and p.grid == (1, 8, 16) and not p.merge_in_cluster
+    # 8k keys (64 blocks, at most DECODE_CLUSTER_MAX_BLOCKS): the heuristic's 13 splits give way
+    # to 8 merged in a cluster; without clusters (the A100, or the switch off) they stay.
+    p = plan(seqlen_k=8192, **decode)
+    assert p.num_splits == 8 and p.merge_in_cluster
+    a100 = DeviceInfo((8, 0), num_sms=108, l2_bytes=40 * 2**20, smem_per_sm=164 * 1024)
+    assert not plan(seqlen_k=2048, **{**decode, "device": a100}).merge_in_cluster
+    assert not plan(seqlen_k=8192, num_splits=13, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
+    assert plan(seqlen_k=8192, num_splits=3, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
+    assert not plan(seqlen_k=8192, varlen=True, **decode).merge_in_cluster  # the combine zeroes rows past seqused_q
     prefill = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=32768, num_splits=0, device=h200)
     prefill_splits = plan(**prefill).num_splits
+    assert not plan(**prefill).merge_in_cluster
     dispatch.plan_fwd.cache_clear()
     try:
-        dispatch.DECODE_FILL_WAVE = False
+        dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = False
         assert plan(seqlen_k=32768, **decode).num_splits == 15
+        p = plan(seqlen_k=8192, **decode)  # 15 splits of 5 blocks: 13 with keys
+        assert p.num_splits == 13 and not p.merge_in_cluster
         assert plan(**prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
     finally:
-        dispatch.DECODE_FILL_WAVE = True
+        dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
         dispatch.plan_fwd.cache_clear()
 
 

@@ -94,6 +94,7 @@ def render_instance(spec: KernelSpec) -> str:
         pack_gqa=_cpp_bool(spec.pack_gqa),
         paged=_cpp_bool(spec.paged),
         dropout=_cpp_bool(spec.dropout),
+        decode=_cpp_bool(spec.decode),
     )
 
 

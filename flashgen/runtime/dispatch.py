@@ -35,6 +35,9 @@ class FwdPlan:
     num_splits: int
     window_left: int   # as the kernel sees it: >= 0 (no -1; "infinite" is clamped)
     window_right: int
+    # Decode split-KV on sm_90+: a tile's splits run as one cluster of (1, 1, num_splits) CTAs and
+    # merge through distributed shared memory, without the combine kernel (fwd_sm80.cuh).
+    merge_in_cluster: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -50,6 +53,16 @@ MAX_SPLITS = 128
 # a switch for benchmarks/tune_decode.py, which measures both ways.)
 DECODE_FILL_WAVE = True
 DECODE_FILL_MIN_BLOCKS = 8
+# Decode splits of one tile merged in a cluster on sm_90+ (up to the portable cluster size, 8): no
+# partials in global memory and no combine kernel. Measured on the H200 (32/8 heads, d128, b1): the
+# combine costs 2.5-3 us a step (b1 2k: 10.0 us with it, 7.2 for the forward alone; merged in a
+# cluster 8.1). Where the heuristic wants more splits but keys are few (at most
+# DECODE_CLUSTER_MAX_BLOCKS key blocks), 8 merged in a cluster beat them (b1 8k: 14.4 us against 13
+# splits and the combine, 15.8); with more keys the extra splits' bandwidth wins (b1 128k, the
+# forward alone: 120 us with 16 splits, 128 with 8).
+DECODE_CLUSTER_SPLITS = 8
+DECODE_CLUSTER_MAX_BLOCKS = 128
+MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -194,6 +207,8 @@ def plan_fwd(
             return sm90_plan
     tile = fwd_tile(family, arch, d_instance, mask, decode)
     heads = nheads_k if pack else nheads
+    # (Varlen calls keep the combine: it writes the zeros of rows past seqused_q.)
+    cluster_merge = MERGE_IN_CLUSTER and decode and cc >= 90 and not varlen
     m_blocks = max(1, -(-rows // tile.block_m))
 
     n_blocks = max(1, -(-seqlen_k // tile.block_n))
@@ -210,6 +225,8 @@ def plan_fwd(
             filled = min(slots // total_mblocks, max_splits)
             if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
                 num_splits = max(num_splits, filled)
+        if cluster_merge and num_splits > DECODE_CLUSTER_SPLITS and n_blocks <= DECODE_CLUSTER_MAX_BLOCKS:
+            num_splits = DECODE_CLUSTER_SPLITS
     num_splits = _splits_with_keys(num_splits, n_blocks)
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
         # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
@@ -221,7 +238,8 @@ def plan_fwd(
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
-    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right)
+    merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS
+    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster)
 
 
 def _plan_fwd_sm90(

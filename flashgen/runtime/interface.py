@@ -90,11 +90,14 @@ _COMBINE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32:
 
 
 def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index: int,
-            dependent: bool = False) -> None:
+            dependent: bool = False, cluster: tuple[int, int, int] | None = None) -> None:
     """Launch on the current stream; ``dependent``: as a programmatic dependent launch (see
-    LoadedKernel.launch_dependent; the kernel must wait with griddepcontrol.wait)."""
+    LoadedKernel.launch_dependent; the kernel must wait with griddepcontrol.wait); ``cluster``: in
+    thread-block clusters of that shape (sm_90+)."""
     kernel = get_kernel(spec, smem_bytes, num_threads)
     launch = kernel.launch_dependent if dependent else kernel.launch
+    if cluster is not None:
+        launch = functools.partial(kernel.launch_cluster, cluster=cluster)
     if torch.cuda.current_device() != index:
         with torch.cuda.device(index):
             kernel.prepare(index)
@@ -204,7 +207,7 @@ def run_fwd(
         lse_strides = (nheads * seqlen_q, 1, seqlen_q)
     has_softcap = softcap > 0
     splits = plan.num_splits
-    if splits > 1:
+    if splits > 1 and not plan.merge_in_cluster:
         # One allocation for both partial buffers (an allocation is several microseconds).
         o_elems = splits * partial_rows * nheads * head_dim
         scratch = torch.empty(o_elems + splits * partial_rows * nheads, dtype=torch.float32, device=q.device)
@@ -214,6 +217,7 @@ def run_fwd(
             lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
     else:
         oaccum = lseaccum = None
+    index = device_index(q)
     # An sm90 instance wider than the call (a head dim between two instances) stores all of its
     # columns: into a padded O (zeroed where the kernel writes no rows: past seqused_q), whose
     # call's columns are copied out after the launch. (Its split-KV partials have the call's.)
@@ -235,7 +239,8 @@ def run_fwd(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_k_new=seqlen_k_new,
         max_seqlen_q=seqlen_q if max_seqlen_q is None else max_seqlen_q,
         kv_batch=kv_batch if kv_batch is not None else (batch if cu_seqlens_k is not None else k.shape[0]),
-        num_splits=splits, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        num_splits=splits, merge_in_cluster=int(plan.merge_in_cluster),
+        nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         window_left=plan.window_left, window_right=plan.window_right,
         qhead_per_khead=nheads // nheads_k, page_size=page_size,
         scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
@@ -245,14 +250,14 @@ def run_fwd(
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
     )
-    index = device_index(q)
     if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
         group = nheads // nheads_k if plan.spec.pack_gqa else 1
         packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
-    _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
+    _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
+            cluster=(1, 1, splits) if plan.merge_in_cluster else None)
     if padded_out is not None:
         out.copy_(padded_out[..., :head_dim])
-    if splits > 1:
+    if splits > 1 and not plan.merge_in_cluster:
         # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine
         # sees a varlen call as one sequence of total_q rows.
         row_o, row_lse = nheads * head_dim, nheads

@@ -118,7 +118,8 @@ def check(result, what: str):
 class LoadedKernel:
     """One kernel instance in this process: its CUkernel, and the devices it was set up for."""
 
-    __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices", "_dependent_config")
+    __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices", "_dependent_config",
+                 "_cluster_config")
 
     def __init__(self, spec: KernelSpec, cubin: bytes, smem_bytes: int, num_threads: int):
         driver = _import_driver()
@@ -137,6 +138,7 @@ class LoadedKernel:
         # launch_dependent's CUlaunchConfig, made on first use in each thread: it is filled in per
         # call, so threads launching this kernel (e.g. one per GPU) must not share one.
         self._dependent_config = threading.local()
+        self._cluster_config = threading.local()  # launch_cluster's, likewise
 
     def prepare(self, device_index: int) -> None:
         """Raise the dynamic shared-memory limit on a device (once per device)."""
@@ -187,6 +189,31 @@ class LoadedKernel:
             config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
             config.sharedMemBytes = self.smem_bytes
             self._dependent_config.config = config
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.hStream = stream_handle
+        buffer = ctypes.create_string_buffer(params, len(params))
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        result = driver.cuLaunchKernelEx(config, self.kernel, ctypes.addressof(argv), 0)
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            self._launch_failed(grid, result[0])
+
+    def launch_cluster(self, grid: tuple[int, int, int], stream_handle: int, params: bytes,
+                       cluster: tuple[int, int, int]) -> None:
+        """Enqueue with thread-block clusters of ``cluster`` CTAs (sm_90+; the grid divisible by it)."""
+        driver = _driver
+        config = getattr(self._cluster_config, "config", None)
+        if config is None:
+            attribute = driver.CUlaunchAttribute()
+            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            config = driver.CUlaunchConfig()
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
+            config.sharedMemBytes = self.smem_bytes
+            self._cluster_config.config = config
+            self._cluster_config.attribute = attribute
+        attribute = self._cluster_config.attribute
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
+        config.attrs = [attribute]
+        config.numAttrs = 1
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.hStream = stream_handle
         buffer = ctypes.create_string_buffer(params, len(params))

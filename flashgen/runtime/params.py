@@ -74,6 +74,9 @@ FWD_PARAMS: tuple[Field, ...] = (
     Field("seqlen_k_new", "i32", "keys appended by this call: a batch element uses seqused_k[b] + this"),
     Field("kv_batch", "i32", "K/V batch rows (or pages when paged): indices outside are treated as empty"),
     Field("num_splits", "i32", "split-KV: > 1 writes partials to oaccum/lseaccum"),
+    Field("merge_in_cluster", "i32",
+          "decode split-KV on sm_90+: a tile's splits are one cluster and merge through distributed "
+          "shared memory (no partials in global memory, no combine kernel); 0 otherwise"),
     Field("nheads", "i32", "query heads"),
     Field("nheads_k", "i32", "key/value heads"),
     Field("head_dim", "i32", "actual head dim (<= the instance's), a multiple of 8"),

@@ -48,7 +48,7 @@ struct SwizzledRows {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsN_,
-          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_>
+          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_, bool kDecode_>
 struct FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -65,6 +65,9 @@ struct FwdTraits {
     static constexpr bool kPackGQA = kPackGQA_;
     static constexpr bool kPaged = kPaged_;  // K/V rows through a page table
     static constexpr bool kDropout = kDropout_;  // Philox mask on the probabilities (common.cuh)
+    // The decode tile (few rows, FWD_DECODE_TILE): on sm_90+ its splits may merge in a cluster
+    // instead of through the combine kernel (merge_splits_in_cluster).
+    static constexpr bool kDecode = kDecode_;
 
     // Warps split the query rows kWarpsM ways and each key block kWarpsN ways. kWarpsN > 1 is for
     // decode, where a 16-row tile is already mostly padding: more warps then share the key blocks
@@ -265,6 +268,95 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
             }
         }
     }
+}
+
+// Split-KV merged without the combine kernel (decode on sm_90+, where a second kernel's launch and
+// the global round trips of the partials are a large share of a step): the num_splits CTAs of a
+// tile are one thread-block cluster (the host launches clusters of (1, 1, num_splits), splits
+// being consecutive in blockIdx.z). Each split leaves its normalized fp32 O rows and their lse in
+// its own shared memory; after a cluster barrier the split of rank 0 reads every split's rows
+// through distributed shared memory, merges them with combine.cuh's weighting,
+// w_s = exp(lse_s - max) / sum_t exp(lse_t - max) (a split without keys, lse -inf, selected away),
+// and stores O and lse; a second barrier keeps the others' shared memory alive until it has read.
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size; dispatch.DECODE_CLUSTER_SPLITS
+
+template <typename Tr>
+struct ClusterMergeSmem {  // at the end of the forward's shared memory
+    static constexpr int kBytes = Tr::kBlockM * (Tr::kHeadDim + 1) * 4;
+    static constexpr int kOffset = Tr::kSmemBytes - kBytes;
+    // [kBlockM][kHeadDim] O, then [kBlockM] lse. Past the warps' merge exchange (from sK(0)).
+    static constexpr bool kFits = kOffset >= Tr::kBlockM * Tr::Smem::kRowBytes +
+                                                 (Tr::kNWarps - Tr::kWarpsM) * (Tr::kMI * 4 + Tr::kMI * Tr::kDI * 4) * 32 * 4;
+};
+
+template <typename Tr>
+__device__ __forceinline__ void merge_splits_in_cluster(const FwdParams& params, unsigned char* smem, int rows,
+                                                        int row_start, int bidb, int bidh, int q_offset) {
+#if __CUDA_ARCH__ >= 900
+    using T = typename Tr::T;
+    using Merge = ClusterMergeSmem<Tr>;
+    static_assert(Merge::kFits, "the cluster merge's rows do not overlap the warps' merge exchange");
+    uint32_t const o_rows = smem_u32(smem + Merge::kOffset);
+    uint32_t const lse_rows = o_rows + Tr::kBlockM * Tr::kHeadDim * 4;
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    if (rank == 0) {
+        int const num_splits = params.num_splits;
+        int const chunks = params.head_dim / 4;  // float4 column chunks of a row
+        FastDivmod const qhpk = params.qhead_per_khead;
+        T* const o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride;
+        for (int item = threadIdx.x; item < rows * chunks; item += Tr::kNThreads) {
+            int const r = item / chunks, c = item - r * chunks;
+            uint32_t const lse_addr = lse_rows + r * 4, o_addr = o_rows + (r * Tr::kHeadDim + c * 4) * 4;
+            // One round trip: every split's lse and chunk in flight at once.
+            float lse[kMaxClusterSplits];
+            float4 o[kMaxClusterSplits];
+#pragma unroll
+            for (int s = 0; s < kMaxClusterSplits; ++s) {
+                lse[s] = -kInfinity;
+                o[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (s < num_splits) {
+                    uint32_t remote_lse, remote_o;
+                    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_lse) : "r"(lse_addr), "r"(s));
+                    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote_o) : "r"(o_addr), "r"(s));
+                    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(lse[s]) : "r"(remote_lse) : "memory");
+                    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=f"(o[s].x), "=f"(o[s].y), "=f"(o[s].z), "=f"(o[s].w) : "r"(remote_o) : "memory");
+                }
+            }
+            float m = -kInfinity;
+#pragma unroll
+            for (int s = 0; s < kMaxClusterSplits; ++s) m = fmaxf(m, lse[s]);
+            float const shift = m == -kInfinity ? 0.f : m;
+            float sum = 0.f;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int s = 0; s < kMaxClusterSplits; ++s) {
+                float const w = __expf(lse[s] - shift);  // exp(-inf) = 0: splits without keys weigh nothing
+                sum += w;
+                // Select, not multiply: a split without keys weighs 0 and may hold anything.
+                acc.x += w != 0.f ? w * o[s].x : 0.f;
+                acc.y += w != 0.f ? w * o[s].y : 0.f;
+                acc.z += w != 0.f ? w * o[s].z : 0.f;
+                acc.w += w != 0.f ? w * o[s].w : 0.f;
+            }
+            float const inv_sum = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            int const row = row_start + r;
+            int const mq = Tr::kPackGQA ? qhpk.div(row) : row;
+            int const head = Tr::kPackGQA ? bidh * qhpk.divisor + (row - mq * qhpk.divisor) : bidh;
+            T* const dst = o_base + (q_offset + mq) * params.o_row_stride + head * params.o_head_stride + c * 4;
+            *reinterpret_cast<uint2*>(dst) = make_uint2(Tr::Element::pack2(acc.x * inv_sum, acc.y * inv_sum),
+                                                        Tr::Element::pack2(acc.z * inv_sum, acc.w * inv_sum));
+            if (c == 0) {
+                reinterpret_cast<float*>(params.lse_ptr)[bidb * params.lse_batch_stride +
+                                                         head * params.lse_head_stride + q_offset + mq] =
+                    sum > 0.f ? m + __logf(sum) : -kInfinity;
+            }
+        }
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
 }
 
 template <typename Tr>
@@ -680,7 +772,17 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             int const m = row_pos[mi][half];
             int const head = Tr::kPackGQA ? bidh * qhpk.divisor + (row - m * qhpk.divisor) : bidh;
             if (write_partial) {
-                if (row < rows_total) {
+                if (Tr::kDecode && params.merge_in_cluster && row < rows_total) {
+                    float* const merge = reinterpret_cast<float*>(smem_raw + ClusterMergeSmem<Tr>::kOffset);
+                    float* const o_row = merge + r * Tr::kHeadDim;
+#pragma unroll
+                    for (int di = 0; di < kDI; ++di) {
+                        int const col = di * 8 + 2 * (lane % 4);
+                        *reinterpret_cast<float2*>(o_row + col) = make_float2(
+                            acc_o[mi][di][2 * half] * inv_sum, acc_o[mi][di][2 * half + 1] * inv_sum);
+                    }
+                    if (lane % 4 == 0) merge[kBlockM * Tr::kHeadDim + r] = lse;
+                } else if (row < rows_total) {
                     float* o_row = oaccum + ((partial_row0 + m) * params.nheads + head) * head_dim;
 #pragma unroll
                     for (int di = 0; di < kDI; ++di) {
@@ -708,7 +810,15 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             }
         }
     }
-    if (write_partial) return;
+    if (write_partial) {
+        if constexpr (Tr::kDecode) {
+            if (params.merge_in_cluster) {
+                merge_splits_in_cluster<Tr>(params, smem_raw, min(kBlockM, rows_total - row_start), row_start, bidb,
+                                            bidh, q_offset);
+            }
+        }
+        return;
+    }
     __syncthreads();
     T* o_base = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride + q_offset * params.o_row_stride;
     store_rows<QCopy, Smem>(sQ, head_dim, tid, [&](int r) -> T* {

@@ -356,6 +356,77 @@ def test_kvcache_num_splits(c):
 
 
 @pytest.mark.parametrize("c", [
+    case("gqa32_8-d128-heuristic", nheads=32, nheads_k=8, capacity=3000, seqlen_new=0),
+    # Unpacked rows (one head per tile); most splits of the short sequences see no key.
+    case("mha-d64-fp16-page16-split8", nheads=4, nheads_k=4, head_dim=64, dtype=torch.float16, capacity=9000,
+         page_size=16, seqlens=(8900, 5, 300), num_splits=8),
+    case("gqa8_2-d256-sq3-local-empty-split7", head_dim=256, capacity=2000, seqlen_q=3, seqlen_new=0, causal=False,
+         window_size=(40, 0), empty_element=True, num_splits=7),
+    case("gqa6_2-d96-sq5-rotary-split2", nheads=6, capacity=1500, seqlen_q=5, seqlen_new=5, head_dim=96,
+         rotary_fraction=1.0, num_splits=2),
+    case("gqa8_2-d128-split13-combine", capacity=3000, num_splits=13),  # more than a cluster holds
+])
+def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
+    """On sm_90+, decode splits of up to 8 run as one cluster and merge through distributed shared
+    memory, without the combine kernel: the result meets the rule, agrees with the combine kernel's
+    merge, is bitwise repeatable, and replays in a CUDA graph. More splits take the combine."""
+    from flashgen.runtime import dispatch, interface
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90+")
+    launched = []
+    original = interface._launch
+
+    def spy(spec, *args, cluster=None, **kwargs):
+        launched.append((spec.uri, cluster))
+        return original(spec, *args, cluster=cluster, **kwargs)
+
+    monkeypatch.setattr(interface, "_launch", spy)
+    kwargs = make_kwargs(c)
+    merged = check_kvcache(fresh_caches(kwargs), name="out (merged in a cluster)")
+    forward = [(u, cl) for u, cl in launched if "_decode_" in u]
+    assert len(forward) == 1, launched
+    combine = [u for u, _ in launched if u.startswith("flash_combine")]
+    if c.num_splits > dispatch.DECODE_CLUSTER_SPLITS:
+        assert forward[0][1] is None and combine, launched
+    else:
+        assert forward[0][1] is not None and 1 < forward[0][1][2] <= dispatch.DECODE_CLUSTER_SPLITS, launched
+        assert not combine, launched
+    for _ in range(2):
+        out, lse = flashgen.flash_attn_with_kvcache(**fresh_caches(kwargs))
+        assert torch.equal(out, merged.out) and torch.equal(lse, merged.lse)
+    monkeypatch.setattr(dispatch, "MERGE_IN_CLUSTER", False)
+    dispatch.plan_fwd.cache_clear()
+    launched.clear()
+    try:
+        combined = check_kvcache(fresh_caches(kwargs), name="out (combine kernel)")
+    finally:
+        dispatch.plan_fwd.cache_clear()  # plans made without the cluster merge stay out of the cache
+    assert all(cl is None for _, cl in launched), launched
+    assert_agree(merged, combined, name="merged in a cluster vs the combine kernel")
+    monkeypatch.setattr(dispatch, "MERGE_IN_CLUSTER", True)
+
+    # A CUDA graph replays the cluster launch with new queries.
+    static = fresh_caches(kwargs)
+    static.pop("k", None), static.pop("v", None)  # no append: replays must see the same cache
+    static["q"] = static["q"].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashgen.flash_attn_with_kvcache(**static)  # warm-up off the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            graph_out, graph_lse = flashgen.flash_attn_with_kvcache(**static)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        static["q"].copy_(randn(*static["q"].shape, dtype=c.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        out, lse = flashgen.flash_attn_with_kvcache(**static)
+        assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
+
+
+@pytest.mark.parametrize("c", [
     case("gqa32_8-sq1", nheads=32, nheads_k=8),
     case("mqa8_1-sq3-nomask", nheads_k=1, seqlen_q=3, seqlen_new=3, causal=False),
     case("gqa32_8-sq5-page16-local17_3", nheads=32, nheads_k=8, seqlen_q=5, seqlen_new=5, page_size=16,
