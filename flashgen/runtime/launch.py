@@ -135,10 +135,9 @@ class LoadedKernel:
             f"finding kernel {spec.kernel_name}",
         )
         self._devices: set[int] = set()
-        # launch_dependent's CUlaunchConfig, made on first use in each thread: it is filled in per
-        # call, so threads launching this kernel (e.g. one per GPU) must not share one.
+        # launch_dependent's and launch_cluster's CUlaunchConfig, one per thread (_config).
         self._dependent_config = threading.local()
-        self._cluster_config = threading.local()  # launch_cluster's, likewise
+        self._cluster_config = threading.local()
 
     def prepare(self, device_index: int) -> None:
         """Raise the dynamic shared-memory limit on a device (once per device)."""
@@ -177,49 +176,39 @@ class LoadedKernel:
         previous kernel's completion and memory. It hides the launch latency of a short kernel
         that consumes the previous one's output (the split-KV combine). The kernel must execute
         griddepcontrol.wait before reading what the previous kernel wrote."""
-        driver = _driver
-        config = getattr(self._dependent_config, "config", None)
-        if config is None:
-            attribute = driver.CUlaunchAttribute()
-            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attribute.value.programmaticStreamSerializationAllowed = 1
-            config = driver.CUlaunchConfig()
-            config.attrs = [attribute]
-            config.numAttrs = 1
-            config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
-            config.sharedMemBytes = self.smem_bytes
-            self._dependent_config.config = config
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.hStream = stream_handle
-        buffer = ctypes.create_string_buffer(params, len(params))
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        result = driver.cuLaunchKernelEx(config, self.kernel, ctypes.addressof(argv), 0)
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
-            self._launch_failed(grid, result[0])
+        config, _ = self._config(self._dependent_config, _allow_programmatic_serialization)
+        self._launch_ex(config, grid, stream_handle, params)
 
     def launch_cluster(self, grid: tuple[int, int, int], stream_handle: int, params: bytes,
                        cluster: tuple[int, int, int]) -> None:
         """Enqueue with thread-block clusters of ``cluster`` CTAs (sm_90+; the grid divisible by it)."""
-        driver = _driver
-        config = getattr(self._cluster_config, "config", None)
-        if config is None:
-            attribute = driver.CUlaunchAttribute()
-            attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            config = driver.CUlaunchConfig()
+        config, attribute = self._config(self._cluster_config, _cluster_dimension)
+        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
+        config.attrs = [attribute]  # the config keeps a copy of the attribute: set it again
+        self._launch_ex(config, grid, stream_handle, params)
+
+    def _config(self, local: threading.local, init_attribute: Callable):
+        """This thread's CUlaunchConfig in ``local`` and its one attribute (set up by
+        ``init_attribute``), made on first use: grid and stream are filled in per call, so threads
+        launching this kernel (e.g. one per GPU) must not share one."""
+        if getattr(local, "config", None) is None:
+            attribute = _driver.CUlaunchAttribute()
+            init_attribute(attribute)
+            config = _driver.CUlaunchConfig()
+            config.attrs = [attribute]
+            config.numAttrs = 1
             config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
             config.sharedMemBytes = self.smem_bytes
-            self._cluster_config.config = config
-            self._cluster_config.attribute = attribute
-        attribute = self._cluster_config.attribute
-        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
-        config.attrs = [attribute]
-        config.numAttrs = 1
+            local.config, local.attribute = config, attribute
+        return local.config, local.attribute
+
+    def _launch_ex(self, config, grid: tuple[int, int, int], stream_handle: int, params: bytes) -> None:
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.hStream = stream_handle
         buffer = ctypes.create_string_buffer(params, len(params))
         argv = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        result = driver.cuLaunchKernelEx(config, self.kernel, ctypes.addressof(argv), 0)
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
+        result = _driver.cuLaunchKernelEx(config, self.kernel, ctypes.addressof(argv), 0)
+        if result[0] != _driver.CUresult.CUDA_SUCCESS:
             self._launch_failed(grid, result[0])
 
     def _launch_failed(self, grid: tuple[int, int, int], err) -> None:
@@ -227,6 +216,15 @@ class LoadedKernel:
             f"launching {self.spec.uri} (grid {grid}, {self.num_threads} threads, "
             f"{self.smem_bytes} B shared memory) failed: {_error_text(_driver, err)}"
         )
+
+
+def _allow_programmatic_serialization(attribute) -> None:
+    attribute.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+
+
+def _cluster_dimension(attribute) -> None:
+    attribute.id = _driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 
 
 _loaded: dict[KernelSpec, LoadedKernel] = {}

@@ -239,11 +239,28 @@ def test_sm90_kvcache(monkeypatch, launched, c):
     assert checked.out.isfinite().all()
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "local"])
-@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra", [
+# (head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra) of both dropout tests.
+DROPOUT_SHAPES = [
     pytest.param(64, 2, 300, 1023, 4, 4, torch.bfloat16, {}, id="d64"),
     pytest.param(128, 1, 1023, 257, 8, 2, torch.bfloat16, {}, id="d128-gqa4"),
     pytest.param(96, 2, 113, 300, 4, 1, torch.float16, {}, id="d96-mqa-fp16"),
+]
+
+
+def dropout_features(mask_kwargs: dict, extra: dict, batch: int, nheads: int) -> dict:
+    """The dropout tests' keyword arguments: a mask, plus the softcap and (batch, nheads) ALiBi
+    slopes that ``extra`` asks for."""
+    features = dict(mask_kwargs)
+    if extra.get("softcap"):
+        features["softcap"] = extra["softcap"]
+    if extra.get("alibi"):
+        features["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    return features
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "local"])
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra", [
+    *DROPOUT_SHAPES,
     pytest.param(256, 1, 129, 700, 2, 2, torch.bfloat16, {}, id="d256"),
     pytest.param(192, 2, 200, 333, 4, 2, torch.bfloat16, {"softcap": 20.0, "alibi": True}, id="d192-softcap-alibi"),
 ])
@@ -259,11 +276,7 @@ def test_sm90_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, se
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     p = 0.3
-    features = dict(MASKS[mask])
-    if extra.get("softcap"):
-        features["softcap"] = extra["softcap"]
-    if extra.get("alibi"):
-        features["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    features = dropout_features(MASKS[mask], extra, batch, nheads)
     torch.cuda.manual_seed(1234)
     rng_state = next_rng_state()
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, dropout_p=p, **features)
@@ -631,9 +644,7 @@ def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched, 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])
 @pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype, extra", [
-    pytest.param(64, 2, 300, 1023, 4, 4, torch.bfloat16, {}, id="d64"),
-    pytest.param(128, 1, 1023, 257, 8, 2, torch.bfloat16, {}, id="d128-gqa4"),
-    pytest.param(96, 2, 113, 300, 4, 1, torch.float16, {}, id="d96-mqa-fp16"),
+    *DROPOUT_SHAPES,
     pytest.param(128, 2, 177, 255, 4, 4, torch.bfloat16, {"softcap": 5.0, "alibi": True}, id="d128-softcap-alibi"),
 ])
 def test_sm90_bwd_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, dtype,
@@ -648,11 +659,7 @@ def test_sm90_bwd_dropout(monkeypatch, launched, mask, head_dim, batch, seqlen_q
 
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
-    features = dict(MASKS[mask])
-    if extra.get("softcap"):
-        features["softcap"] = extra["softcap"]
-    if extra.get("alibi"):
-        features["alibi_slopes"] = torch.rand(batch, nheads, device="cuda") * 0.3 + 0.01
+    features = dropout_features(MASKS[mask], extra, batch, nheads)
     dout = torch.randn_like(q)
     p = 0.3
 
