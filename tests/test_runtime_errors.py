@@ -99,3 +99,73 @@ def test_doctor_reports_disable_jit(fresh_cache, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "FLASHGEN_DISABLE_JIT=1" in result.output
     assert "cache" in result.output and "`flashgen build`" in result.output
+
+
+class LaunchDriver(FakeDriver):
+    """Adds what the cuLaunchKernelEx paths touch; a config keeps copies of its attributes, as
+    cuda.bindings' CUlaunchConfig does, and every launch is recorded."""
+
+    class CUlaunchAttributeID(enum.Enum):
+        CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1
+        CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 2
+
+    class CUlaunchAttribute:
+        def __init__(self):
+            import types
+            self.id = None
+            self.value = types.SimpleNamespace(programmaticStreamSerializationAllowed=0,
+                                               clusterDim=types.SimpleNamespace(x=0, y=0, z=0))
+
+    class CUlaunchConfig:
+        def __init__(self):
+            self._attrs = []
+
+        @property
+        def attrs(self):
+            return self._attrs
+
+        @attrs.setter
+        def attrs(self, attributes):
+            import copy
+            self._attrs = [copy.deepcopy(a) for a in attributes]
+
+    def __init__(self, launch_error: CUresult = CUresult.CUDA_SUCCESS):
+        super().__init__(CUresult.CUDA_SUCCESS, 13000)
+        self.launch_error = launch_error
+        self.launches = []
+
+    def cuLaunchKernelEx(self, config, kernel, args, extra):
+        attrs = []
+        for a in config.attrs[:config.numAttrs]:
+            d = a.value.clusterDim
+            attrs.append((a.id.name, a.value.programmaticStreamSerializationAllowed, (d.x, d.y, d.z)))
+        self.launches.append(dict(grid=(config.gridDimX, config.gridDimY, config.gridDimZ),
+                                  block=(config.blockDimX, config.blockDimY, config.blockDimZ),
+                                  smem=config.sharedMemBytes, stream=config.hStream, attrs=attrs))
+        return (self.launch_error,)
+
+
+def test_launch_ex_paths_set_their_attribute_per_call(monkeypatch):
+    driver = LaunchDriver()
+    monkeypatch.setattr(launch, "_driver", driver)
+    kernel = launch.LoadedKernel(SPEC, b"\x7fELF", smem_bytes=1000, num_threads=128)
+    kernel.launch_cluster((1, 8, 16), 7, b"params", (1, 1, 8))
+    kernel.launch_cluster((1, 8, 6), 9, b"params", (1, 1, 3))  # another split count: other dims
+    kernel.launch_dependent((32, 1, 1), 7, b"params")
+    kernel.launch_dependent((64, 1, 1), 7, b"params")
+    cluster = ("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION", 0)
+    pdl = ("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION", 1, (0, 0, 0))
+    assert [(x["grid"], x["stream"], x["attrs"]) for x in driver.launches] == [
+        ((1, 8, 16), 7, [(*cluster, (1, 1, 8))]),
+        ((1, 8, 6), 9, [(*cluster, (1, 1, 3))]),
+        ((32, 1, 1), 7, [pdl]),
+        ((64, 1, 1), 7, [pdl]),
+    ]
+    assert all(x["block"] == (128, 1, 1) and x["smem"] == 1000 for x in driver.launches)
+
+
+def test_launch_ex_failure_names_the_kernel_and_grid(monkeypatch):
+    monkeypatch.setattr(launch, "_driver", LaunchDriver(CUresult.CUDA_ERROR_OUT_OF_MEMORY))
+    kernel = launch.LoadedKernel(SPEC, b"\x7fELF", smem_bytes=1000, num_threads=128)
+    with pytest.raises(launch.CudaError, match=r"launching flash_fwd_sm80_hdim128_bf16_sm90a \(grid \(1, 8, 16\)"):
+        kernel.launch_cluster((1, 8, 16), 7, b"params", (1, 1, 8))
