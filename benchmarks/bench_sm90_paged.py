@@ -6,7 +6,8 @@ TFLOP/s count the forward as 4 * b * h * sq * sk * d (halved when causal) and fo
 3.5 times that.
 - Paged chunked prefill (32 query / 8 KV heads, d128, bf16, causal, random page order): pages of
   256 hold whole key blocks (TMA boxes); 1, 16, 17 and 64 and a left pad are gathered row by row
-  by the producer warpgroup (fwd_sm90.cuh: kv_gather); the sm80 family gathers with cp.async too.
+  by the producer warpgroup (the gather instances, fwd_sm90.cuh: kGather); the sm80 family gathers
+  with cp.async too.
 - Dropout (p = 0.1, bf16, b4 s4096, hidden 2048): the sm90 forward, the sm80 family forced, and
   PyTorch SDPA's FlashAttention-2 backend with dropout.
 """
