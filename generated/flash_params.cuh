@@ -272,7 +272,7 @@ struct BwdParams {
     void* k_ptr;  // (batch, seqlen_k, nheads_k, d)
     void* v_ptr;  // (batch, seqlen_k, nheads_k, d)
     void* do_ptr;  // dO, like q
-    void* lse_ptr;  // float (batch, nheads, seqlen_q): the forward's softmax_lse
+    void* lse_log2_ptr;  // float (batch, nheads, seqlen_q): the forward's softmax_lse times log2(e), +inf where it is -inf (rows that saw no key), from the preprocess
     void* dsum_ptr;  // float (batch, nheads, seqlen_q): rowsum(dO * O) from the preprocess
     void* dq_accum_ptr;  // float (batch, nheads, seqlen_q, head_dim), zeroed by the preprocess
     void* dk_ptr;  // like k
@@ -329,7 +329,7 @@ static_assert(__builtin_offsetof(BwdParams, q_ptr) == 0, "Params layout drift: q
 static_assert(__builtin_offsetof(BwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
 static_assert(__builtin_offsetof(BwdParams, v_ptr) == 16, "Params layout drift: v_ptr");
 static_assert(__builtin_offsetof(BwdParams, do_ptr) == 24, "Params layout drift: do_ptr");
-static_assert(__builtin_offsetof(BwdParams, lse_ptr) == 32, "Params layout drift: lse_ptr");
+static_assert(__builtin_offsetof(BwdParams, lse_log2_ptr) == 32, "Params layout drift: lse_log2_ptr");
 static_assert(__builtin_offsetof(BwdParams, dsum_ptr) == 40, "Params layout drift: dsum_ptr");
 static_assert(__builtin_offsetof(BwdParams, dq_accum_ptr) == 48, "Params layout drift: dq_accum_ptr");
 static_assert(__builtin_offsetof(BwdParams, dk_ptr) == 56, "Params layout drift: dk_ptr");
@@ -384,6 +384,8 @@ static_assert(__builtin_offsetof(BwdParams, rp_dropout) == 364, "Params layout d
 struct BwdRowParams {
     void* o_ptr;  // the forward's output (batch, seqlen_q, nheads, d)
     void* do_ptr;  // dO, like o
+    void* lse_ptr;  // float (batch, nheads, seqlen_q): the forward's softmax_lse
+    void* lse_log2_ptr;  // float (batch, nheads, seqlen_q): lse in log2 units for the main kernel
     void* dsum_ptr;  // float (batch, nheads, seqlen_q)
     void* dq_accum_ptr;  // float (batch, nheads, seqlen_q, head_dim)
     void* dq_ptr;  // dQ, like q
@@ -402,27 +404,29 @@ struct BwdRowParams {
     int head_dim;
     float softmax_scale;  // dQ = softmax_scale * dq_accum
 };
-static_assert(sizeof(BwdRowParams) == 136, "Params size drift");
+static_assert(sizeof(BwdRowParams) == 152, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(BwdRowParams, o_ptr) == 0, "Params layout drift: o_ptr");
 static_assert(__builtin_offsetof(BwdRowParams, do_ptr) == 8, "Params layout drift: do_ptr");
-static_assert(__builtin_offsetof(BwdRowParams, dsum_ptr) == 16, "Params layout drift: dsum_ptr");
-static_assert(__builtin_offsetof(BwdRowParams, dq_accum_ptr) == 24, "Params layout drift: dq_accum_ptr");
-static_assert(__builtin_offsetof(BwdRowParams, dq_ptr) == 32, "Params layout drift: dq_ptr");
-static_assert(__builtin_offsetof(BwdRowParams, o_batch_stride) == 40, "Params layout drift: o_batch_stride");
-static_assert(__builtin_offsetof(BwdRowParams, o_row_stride) == 48, "Params layout drift: o_row_stride");
-static_assert(__builtin_offsetof(BwdRowParams, o_head_stride) == 56, "Params layout drift: o_head_stride");
-static_assert(__builtin_offsetof(BwdRowParams, do_batch_stride) == 64, "Params layout drift: do_batch_stride");
-static_assert(__builtin_offsetof(BwdRowParams, do_row_stride) == 72, "Params layout drift: do_row_stride");
-static_assert(__builtin_offsetof(BwdRowParams, do_head_stride) == 80, "Params layout drift: do_head_stride");
-static_assert(__builtin_offsetof(BwdRowParams, dq_batch_stride) == 88, "Params layout drift: dq_batch_stride");
-static_assert(__builtin_offsetof(BwdRowParams, dq_row_stride) == 96, "Params layout drift: dq_row_stride");
-static_assert(__builtin_offsetof(BwdRowParams, dq_head_stride) == 104, "Params layout drift: dq_head_stride");
-static_assert(__builtin_offsetof(BwdRowParams, batch) == 112, "Params layout drift: batch");
-static_assert(__builtin_offsetof(BwdRowParams, seqlen_q) == 116, "Params layout drift: seqlen_q");
-static_assert(__builtin_offsetof(BwdRowParams, nheads) == 120, "Params layout drift: nheads");
-static_assert(__builtin_offsetof(BwdRowParams, head_dim) == 124, "Params layout drift: head_dim");
-static_assert(__builtin_offsetof(BwdRowParams, softmax_scale) == 128, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(BwdRowParams, lse_ptr) == 16, "Params layout drift: lse_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, lse_log2_ptr) == 24, "Params layout drift: lse_log2_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dsum_ptr) == 32, "Params layout drift: dsum_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dq_accum_ptr) == 40, "Params layout drift: dq_accum_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, dq_ptr) == 48, "Params layout drift: dq_ptr");
+static_assert(__builtin_offsetof(BwdRowParams, o_batch_stride) == 56, "Params layout drift: o_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, o_row_stride) == 64, "Params layout drift: o_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, o_head_stride) == 72, "Params layout drift: o_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_batch_stride) == 80, "Params layout drift: do_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_row_stride) == 88, "Params layout drift: do_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, do_head_stride) == 96, "Params layout drift: do_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_batch_stride) == 104, "Params layout drift: dq_batch_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_row_stride) == 112, "Params layout drift: dq_row_stride");
+static_assert(__builtin_offsetof(BwdRowParams, dq_head_stride) == 120, "Params layout drift: dq_head_stride");
+static_assert(__builtin_offsetof(BwdRowParams, batch) == 128, "Params layout drift: batch");
+static_assert(__builtin_offsetof(BwdRowParams, seqlen_q) == 132, "Params layout drift: seqlen_q");
+static_assert(__builtin_offsetof(BwdRowParams, nheads) == 136, "Params layout drift: nheads");
+static_assert(__builtin_offsetof(BwdRowParams, head_dim) == 140, "Params layout drift: head_dim");
+static_assert(__builtin_offsetof(BwdRowParams, softmax_scale) == 144, "Params layout drift: softmax_scale");
 #endif
 
 }  // namespace flashgen

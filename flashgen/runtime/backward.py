@@ -119,6 +119,7 @@ def flash_bwd(
         and tma.compatible(q, k, v, dout),
     )
     dsum = torch.empty((stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty_like(dsum)
     dq_accum = torch.empty((stats_batch, nheads, stats_rows, head_dim), dtype=torch.float32, device=q.device)
     semaphores = None
     if deterministic:
@@ -127,7 +128,8 @@ def flash_bwd(
         semaphores = torch.zeros((batch, nheads, plan.tile.d_slices, m_blocks), dtype=torch.int32, device=q.device)
 
     row_values = dict(
-        o_ptr=out.data_ptr(), do_ptr=dout.data_ptr(), dsum_ptr=dsum.data_ptr(),
+        o_ptr=out.data_ptr(), do_ptr=dout.data_ptr(), lse_ptr=lse.data_ptr(), lse_log2_ptr=lse_log2.data_ptr(),
+        dsum_ptr=dsum.data_ptr(),
         dq_accum_ptr=dq_accum.data_ptr(), dq_ptr=dq.data_ptr(),
         batch=stats_batch, seqlen_q=stats_rows, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
     )
@@ -142,7 +144,7 @@ def flash_bwd(
     has_softcap = softcap > 0
     values = dict(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
-        lse_ptr=lse.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
+        lse_log2_ptr=lse_log2.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
         dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes),
         semaphore_ptr=_ptr(semaphores), cu_seqlens_q_ptr=_ptr(cu_seqlens_q), cu_seqlens_k_ptr=_ptr(cu_seqlens_k),
         seqused_q_ptr=_ptr(seqused_q), seqused_k_ptr=_ptr(seqused_k),

@@ -154,7 +154,9 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("k_ptr", "ptr", "(batch, seqlen_k, nheads_k, d)"),
     Field("v_ptr", "ptr", "(batch, seqlen_k, nheads_k, d)"),
     Field("do_ptr", "ptr", "dO, like q"),
-    Field("lse_ptr", "ptr", "float (batch, nheads, seqlen_q): the forward's softmax_lse"),
+    Field("lse_log2_ptr", "ptr",
+          "float (batch, nheads, seqlen_q): the forward's softmax_lse times log2(e), +inf where it is -inf "
+          "(rows that saw no key), from the preprocess"),
     Field("dsum_ptr", "ptr", "float (batch, nheads, seqlen_q): rowsum(dO * O) from the preprocess"),
     Field("dq_accum_ptr", "ptr", "float (batch, nheads, seqlen_q, head_dim), zeroed by the preprocess"),
     Field("dk_ptr", "ptr", "like k"),
@@ -197,6 +199,8 @@ BWD_PARAMS: tuple[Field, ...] = (
 BWD_ROW_PARAMS: tuple[Field, ...] = (
     Field("o_ptr", "ptr", "the forward's output (batch, seqlen_q, nheads, d)"),
     Field("do_ptr", "ptr", "dO, like o"),
+    Field("lse_ptr", "ptr", "float (batch, nheads, seqlen_q): the forward's softmax_lse"),
+    Field("lse_log2_ptr", "ptr", "float (batch, nheads, seqlen_q): lse in log2 units for the main kernel"),
     Field("dsum_ptr", "ptr", "float (batch, nheads, seqlen_q)"),
     Field("dq_accum_ptr", "ptr", "float (batch, nheads, seqlen_q, head_dim)"),
     Field("dq_ptr", "ptr", "dQ, like q"),

@@ -1,5 +1,6 @@
 // Row kernels around the backward main kernel, one warp per (batch, query, head) row:
-//   preprocess:  D = rowsum(dO ∘ O) in fp32 (the softmax's backward term), dq_accum row zeroed;
+//   preprocess:  D = rowsum(dO ∘ O) in fp32 (the softmax's backward term), the LSE in log2 units,
+//                dq_accum row zeroed;
 //   postprocess: dQ = softmax_scale * dq_accum, in the input dtype and the caller's strides.
 #pragma once
 #include "common.cuh"
@@ -29,7 +30,13 @@ __device__ __forceinline__ void bwd_rows(const BwdRowParams& p) {
         }
 #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
-        if (lane == 0) reinterpret_cast<float*>(p.dsum_ptr)[stats_row] = dot;
+        if (lane == 0) {
+            reinterpret_cast<float*>(p.dsum_ptr)[stats_row] = dot;
+            // The main kernel's exponent is score · scale · log2(e) - this: +inf for a row that saw
+            // no key (lse -inf) makes its probabilities exactly 0.
+            float const lse = reinterpret_cast<const float*>(p.lse_ptr)[stats_row];
+            reinterpret_cast<float*>(p.lse_log2_ptr)[stats_row] = lse == -kInfinity ? kInfinity : lse * 1.4426950408889634f;
+        }
     } else {
         T* dq = reinterpret_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + head * p.dq_head_stride;
         for (int j = lane; j < p.head_dim; j += 32) dq[j] = from_float<T>(dq_accum[j] * p.softmax_scale);

@@ -144,7 +144,7 @@ __device__ __forceinline__ void gemm_ss(float (&c)[kMI][kNTiles][4], uint32_t a_
 
 // What softmax_backward needs of the step besides S and dP.
 struct SoftmaxBwdArgs {
-    const float* lse;  // the warp's LSE and D columns (shared memory; this thread's are + 2 * (lane % 4))
+    const float* lse;  // the warp's LSE (log2 units) and D columns (shared memory; this thread's are + 2 * (lane % 4))
     const float* dsum;
     int key;           // this thread's first key row (tile mi adds 16 mi, the second half 8)
     int query;         // this thread's first query column (tile ni adds 8 ni)
@@ -162,12 +162,10 @@ __device__ __forceinline__ void softmax_backward(float (&st)[2][Tr::kMN][4], flo
     int const lane = threadIdx.x % 32;
 #pragma unroll
     for (int ni = 0; ni < Tr::kMN; ++ni) {
-        // This thread's two query columns of the tile: one 8-byte load each for LSE and D.
-        // A row that saw no key has lse -inf and probabilities 0: +inf makes exp2 give 0.
+        // This thread's two query columns of the tile: one 8-byte load each for LSE (log2 units,
+        // +inf for a row that saw no key: its probabilities are 0) and D.
         float2 const lse2 = *reinterpret_cast<const float2*>(a.lse + ni * 8 + 2 * (lane % 4));
         float2 const dsum2 = *reinterpret_cast<const float2*>(a.dsum + ni * 8 + 2 * (lane % 4));
-        float const lse_log2[2] = {lse2.x == -kInfinity ? kInfinity : lse2.x * 1.4426950408889634f,
-                                   lse2.y == -kInfinity ? kInfinity : lse2.y * 1.4426950408889634f};
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
@@ -186,7 +184,7 @@ __device__ __forceinline__ void softmax_backward(float (&st)[2][Tr::kMN][4], flo
                     int const rel = query + a.diag - key;
                     s -= a.slope * float(rel < 0 ? -rel : rel);
                 }
-                float p = exp2_approx(s * params.scale_log2 - lse_log2[e % 2]);
+                float p = exp2_approx(s * params.scale_log2 - (e % 2 ? lse2.y : lse2.x));
                 if constexpr (kNeedMask) {
                     // Keys past seqlen_k are zero rows, masked anyway: exp(0 - lse) overflows when
                     // lse is very negative, and inf times a zero K row is NaN.
@@ -330,13 +328,10 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
     int const dq_row0 = (warp % Tr::kDQRowGroups) * Tr::kDQRows;
     int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
-    // Bit di: this thread's columns of dQ tile di are inside head_dim (the same every step).
-    static_assert(Tr::kDQCols / 8 <= 32, "one bit per n8 tile");
-    uint32_t dq_cols_ok = 0;
-#pragma unroll
-    for (int di = 0; di < Tr::kDQCols / 8; ++di)
-        dq_cols_ok |= uint32_t(dq_col0 + di * 8 + 2 * (lane % 4) < head_dim) << di;
-    constexpr uint32_t kDQAllCols = (1u << (Tr::kDQCols / 8)) - 1;
+    bool const dq_cols_all = dq_col0 + Tr::kDQCols <= head_dim;  // this warp's dQ columns all exist
+    // This thread's first dQ element in a step's block of dq_accum rows (row lane / 4, column
+    // 2 (lane % 4) of its tile).
+    int const dq_thread_offset = (dq_row0 + lane / 4) * head_dim + dq_col0 + 2 * (lane % 4);
 
     // Steps enumerate (query head of the group, query block). Step t's Q, dO, LSE and D rows go
     // to stage t % kStages, fetched kStages - 1 steps ahead plus the dQ tail of the step before:
@@ -346,49 +341,55 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     int const steps = qhpk * m_count;
     // Step t is (query head t / m_count, query block t % m_count), both advanced by counters: the
     // issued steps and the computed ones each go up by one per call/iteration (no division).
-    int issue_head = 0, issue_m = 0;
+    // The issued step's first Q and dO rows and LSE/D entries: advanced by one query block per step
+    // and to the next head's first block at a head's end, with no 64-bit multiplies per step.
+    int const q0_first = m_block_min * kBlockM;
+    int64_t const stats_first = bidb * params.stats_batch_stride + int64_t(bidh_kv) * qhpk * params.stats_head_stride +
+                                q_offset + q0_first;
+    const T* issue_q = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
+                       (q_offset + q0_first) * params.q_row_stride + int64_t(bidh_kv) * qhpk * params.q_head_stride;
+    const T* issue_do = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
+                        (q_offset + q0_first) * params.do_row_stride + int64_t(bidh_kv) * qhpk * params.do_head_stride;
+    int64_t issue_stats = stats_first;
+    int issue_q0 = q0_first, issue_m = 0;
     auto issue_step = [&](int t) {
         if (t >= steps) {
             cp_async_commit();
             return;
         }
-        int const head_in_group = issue_head, m_index = issue_m;
-        if (++issue_m == m_count) {
-            issue_m = 0;
-            ++issue_head;
-        }
         int const stage = t % kStages;
-        T* sQ = sQ0 + stage * kBlockM * kStride;
-        T* sdO = sdO0 + stage * kBlockM * kStride;
-        float* sLSE = sLSE0 + stage * kBlockM;
-        float* sD = sD0 + stage * kBlockM;
-        int const bidh = bidh_kv * qhpk + head_in_group;
-        int const q0 = (m_block_min + m_index) * kBlockM;
-        const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
-                          q_offset * params.q_row_stride + bidh * params.q_head_stride;
-        const T* do_base = reinterpret_cast<const T*>(params.do_ptr) + bidb * params.do_batch_stride +
-                           q_offset * params.do_row_stride + bidh * params.do_head_stride;
-        copy_rows_async<MCopy, Smem>(smem_u32(sQ), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
-            return q0 + r < seqlen_q ? q_base + (q0 + r) * params.q_row_stride : nullptr;
-        }));
-        copy_rows_async<MCopy, Smem>(smem_u32(sdO), head_dim, tid, row_ptrs<MCopy, T>(tid, [&](int r) -> const T* {
-            return q0 + r < seqlen_q ? do_base + (q0 + r) * params.do_row_stride : nullptr;
-        }));
+        copy_strided_rows_async<MCopy, Smem>(smem_u32(sQ0 + stage * kBlockM * kStride), issue_q, params.q_row_stride,
+                                             seqlen_q - issue_q0, head_dim, tid);
+        copy_strided_rows_async<MCopy, Smem>(smem_u32(sdO0 + stage * kBlockM * kStride), issue_do,
+                                             params.do_row_stride, seqlen_q - issue_q0, head_dim, tid);
         // LSE and D rows as asynchronous copies too, so no thread waits for them here. Padded
         // rows read 0 for both: their Q and dO rows are 0, so they still contribute exactly 0.
-        int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
         static_assert(kBlockM <= Tr::kNThreads, "one LSE and one D value per thread at most");
         if (tid < kBlockM) {
-            bool const valid = q0 + tid < seqlen_q;
-            cp_async_4(smem_u32(sLSE + tid), reinterpret_cast<const float*>(params.lse_ptr) + row_stats + q0 + tid, valid);
-            cp_async_4(smem_u32(sD + tid), reinterpret_cast<const float*>(params.dsum_ptr) + row_stats + q0 + tid, valid);
+            bool const valid = issue_q0 + tid < seqlen_q;
+            cp_async_4(smem_u32(sLSE0 + stage * kBlockM + tid),
+                       reinterpret_cast<const float*>(params.lse_log2_ptr) + issue_stats + tid, valid);
+            cp_async_4(smem_u32(sD0 + stage * kBlockM + tid),
+                       reinterpret_cast<const float*>(params.dsum_ptr) + issue_stats + tid, valid);
         }
         cp_async_commit();
+        issue_q += kBlockM * params.q_row_stride;
+        issue_do += kBlockM * params.do_row_stride;
+        issue_stats += kBlockM;
+        issue_q0 += kBlockM;
+        if (++issue_m == m_count) {  // next head of the group, back to its first query block
+            issue_m = 0;
+            issue_q += params.q_head_stride - m_count * kBlockM * params.q_row_stride;
+            issue_do += params.do_head_stride - m_count * kBlockM * params.do_row_stride;
+            issue_stats += params.stats_head_stride - m_count * kBlockM;
+            issue_q0 = q0_first;
+        }
     };
 #pragma unroll
     for (int t = 0; t < kStages; ++t) issue_step(t);
 
     int step_head = 0, step_m = 0;  // step t's (t / m_count, t % m_count)
+    int64_t step_stats = stats_first;  // step t's first LSE / D / dq_accum row
     for (int t = 0; t < steps; ++t) {
         int const bidh = bidh_kv * qhpk + step_head;
         int const m_block = m_block_min + step_m;
@@ -495,32 +496,41 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         gemm_ss<Element, PSmem, true, Smem, true, kDQMI, kBlockN, Tr::kDQCols / 8>(
             acc_dq, smem_u32(sdSt) + dq_row0 * 2, smem_u32(sK), dq_col0 / 8, lane);
         // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
-        int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
-        int* sem = semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
+        auto semaphore = [&] {
+            return semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
+        };
         if (semaphores != nullptr) {
             // Deterministic: the key blocks that see this query block add to it one after another,
             // in key order. They are n_first.. (a local window's left edge skips the first ones);
             // lower blocks are launched first, so the wait always ends.
             int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
             if (tid == 0) {
+                int* const sem = semaphore();
                 while (atomicAdd(sem, 0) != n_block - n_first) {
                 }
             }
             __syncthreads();
         }
         // Only a sequence's last query block (or a head dim below the instance's) needs predicates.
-        int const dq_query0 = q0 + dq_row0 + lane / 4;  // this thread's first dQ row
-        float* const dq_first = dq_accum + (row_stats + dq_query0) * head_dim + dq_col0 + 2 * (lane % 4);
-        if (q0 + kBlockM <= seqlen_q && dq_cols_ok == kDQAllCols) {
+        float* const dq_first = dq_accum + step_stats * head_dim + dq_thread_offset;
+        if (q0 + kBlockM <= seqlen_q && dq_cols_all) {
             add_dq_fragments<false>(acc_dq, dq_first, head_dim, 0, 0);
         } else {
-            add_dq_fragments<true>(acc_dq, dq_first, head_dim, seqlen_q - dq_query0, dq_cols_ok);
+            // Bit di: this thread's columns of dQ tile di are inside head_dim.
+            static_assert(Tr::kDQCols / 8 <= 32, "one bit per n8 tile");
+            uint32_t dq_cols_ok = 0;
+#pragma unroll
+            for (int di = 0; di < Tr::kDQCols / 8; ++di)
+                dq_cols_ok |= uint32_t(dq_col0 + di * 8 + 2 * (lane % 4) < head_dim) << di;
+            add_dq_fragments<true>(acc_dq, dq_first, head_dim, seqlen_q - (q0 + dq_row0 + lane / 4), dq_cols_ok);
         }
         if (semaphores != nullptr) {
             __threadfence();
             __syncthreads();
-            if (tid == 0) atomicAdd(sem, 1);
+            if (tid == 0) atomicAdd(semaphore(), 1);
         }
+        step_stats += kBlockM;
+        if (step_m == 0) step_stats += params.stats_head_stride - m_count * kBlockM;  // the next head's first block
     }
 
     // dK (scaled) and dV for this CTA's keys and head-dim slice.

@@ -304,10 +304,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
             }
         } else if (warp == 1) {
-            // The step's LSE in log2 units and D: +inf and 0 for rows past seqlen_q (their Q and dO
-            // are the TMA's zeros, or under varlen zeroed by clear_rows), +inf for rows that saw no
-            // key (lse -inf): P = 0 there.
-            const float* lse = reinterpret_cast<const float*>(params.lse_ptr);
+            // The step's LSE in log2 units (the preprocess's: +inf for rows that saw no key, so P = 0
+            // there) and D; +inf and 0 for rows past seqlen_q (their Q and dO are the TMA's zeros, or
+            // under varlen zeroed by clear_rows).
+            const float* lse_log2_rows = reinterpret_cast<const float*>(params.lse_log2_ptr);
             const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
             int head = 0, m = 0;
             for (int t = 0; t < steps; ++t) {
@@ -323,8 +323,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 for (int r = lane; r < kBlockM; r += 32) {
                     float lse_log2 = kInfinity, d = 0.f;
                     if (q0 + r < seqlen_q) {
-                        float const l = lse[row_stats + q0 + r];
-                        lse_log2 = l == -kInfinity ? kInfinity : l * 1.4426950408889634f;
+                        lse_log2 = lse_log2_rows[row_stats + q0 + r];
                         d = dsum[row_stats + q0 + r];
                     }
                     st_shared_f32(sLSE(stage) + r * 4, lse_log2);

@@ -157,6 +157,36 @@ __device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int
     }
 }
 
+// Same partition, for a tile whose rows are row_stride elements apart from first_row: rows at or
+// past rows_left and columns at or past head_dim are zero-filled. No per-row address table or
+// shuffles: one 64-bit add per pass of rows, for tiles copied every step of a hot loop (the
+// backward's Q and dO; the per-row version cost ~150 instructions per warp and step there).
+template <typename Copy, typename Layout, typename T>
+__device__ __forceinline__ void copy_strided_rows_async(uint32_t smem, const T* first_row, int64_t row_stride,
+                                                        int rows_left, int head_dim, int tid) {
+    // A pass moves whole swizzle periods of rows (8) and a column step whole swizzle groups, so
+    // every chunk's shared address is the first one's plus a constant.
+    static_assert(Copy::kRowsPerPass % 8 == 0 && (Copy::kChunkElems / 8) % Layout::kGroup == 0,
+                  "passes and column steps keep the swizzle phase");
+    int const lane_in_row = tid % Copy::kThreadsPerRow;
+    int const row0 = tid / Copy::kThreadsPerRow;
+    const T* gptr = first_row + row0 * row_stride + lane_in_row * 8;
+    uint32_t const sfirst = smem + Layout::offset(row0, lane_in_row);
+#pragma unroll
+    for (int i = 0; i < Copy::kRowIters; ++i) {
+        int const row = row0 + i * Copy::kRowsPerPass;
+        if (Copy::kRowsExact || row < Copy::kRows) {
+#pragma unroll
+            for (int j = 0; j < Copy::kColIters; ++j) {
+                int const col = lane_in_row * 8 + j * Copy::kChunkElems;
+                cp_async_16(sfirst + (i * Copy::kRowsPerPass * Layout::kRowBytes + j * Copy::kChunkElems * 2),
+                            gptr + j * Copy::kChunkElems, row < rows_left && col < head_dim);
+            }
+        }
+        gptr += Copy::kRowsPerPass * row_stride;
+    }
+}
+
 // Same partition, shared (the tile at smem, in Layout) -> global, 16-byte stores; rows with a null
 // address are skipped.
 template <typename Copy, typename Layout, typename T, typename RowPtr>
