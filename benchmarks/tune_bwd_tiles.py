@@ -13,16 +13,18 @@ import torch
 import triton.testing
 
 import flashgen
-from flashgen.generator import cache, tiles
+from flashgen.generator import cache, matrix, tiles
 from flashgen.runtime import backward, launch
 
-# (warps, block_m, d_slices, most Q/dO stages, 32-key warp groups or 0 for warps / 2): bwd_tile
-# gives each the most stages that fit.
+# (warps, block_m, d_slices, most Q/dO stages, 32-key warp groups or 0 for warps / 2, dQ tile):
+# bwd_tile gives each the most stages that fit, and the dQ tile (sm_90) where it fits with them.
+# Run with FLASHGEN_FAMILY=sm80 on Hopper, where d64 and d128 otherwise take the sm90 backward.
 CANDIDATES = {
-    64: [(8, 128, 1, 2, 0), (8, 64, 1, 2, 0), (8, 128, 1, 2, 2)],
-    128: [(8, 64, 1, 2, 0), (8, 64, 1, 1, 0), (8, 64, 1, 2, 2), (8, 128, 1, 2, 2)],
-    192: [(4, 64, 2, 2, 0), (8, 64, 1, 2, 2)],
-    256: [(4, 64, 2, 2, 0), (8, 64, 1, 2, 2), (8, 64, 1, 1, 2)],
+    64: [(8, 128, 1, 2, 0, False), (8, 128, 1, 2, 0, True), (8, 64, 1, 2, 0, False), (8, 128, 1, 2, 2, False)],
+    128: [(8, 64, 1, 2, 0, False), (8, 64, 1, 2, 0, True), (8, 64, 1, 1, 0, False), (8, 64, 1, 2, 2, False),
+          (8, 128, 1, 2, 2, False)],
+    192: [(4, 64, 2, 2, 0, False), (8, 64, 1, 2, 2, False), (8, 64, 1, 2, 2, True)],
+    256: [(4, 64, 2, 2, 0, False), (8, 64, 1, 2, 2, False), (8, 64, 1, 1, 2, False), (8, 64, 1, 1, 2, True)],
 }
 
 
@@ -46,16 +48,19 @@ def main() -> None:
     table, max_stages = tiles._BWD_SM80_LARGE, tiles.BWD_MAX_STAGES
     for head_dim in (int(d) for d in args.head_dims.split(",")):
         original = table[head_dim]
-        for (warps, block_m, slices, stages, groups), causal in itertools.product(CANDIDATES[head_dim], (False, True)):
-            table[head_dim] = tiles.BwdTile(warps, block_m, slices, key_groups=groups)
+        for (warps, block_m, slices, stages, groups, dq_tile), causal in itertools.product(
+                CANDIDATES[head_dim], (False, True)):
+            table[head_dim] = tiles.BwdTile(warps, block_m, slices, key_groups=groups, dq_tile=dq_tile)
             tiles.BWD_MAX_STAGES = stages
             launch._loaded.clear()  # the memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
             backward.plan_bwd.cache_clear()
             try:
                 tflops = measure(head_dim, causal, args.seqlen)
-                print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} N{table[head_dim].block_n} "
-                      f"slices {slices} stages<={stages}: {tflops:6.1f} TFLOP/s", flush=True)
+                chosen = tiles.bwd_tile("sm80", matrix.target_arch(*torch.cuda.get_device_capability()), head_dim)
+                print(f"bwd d{head_dim} causal={int(causal)} warps {warps} M{block_m} N{chosen.block_n} "
+                      f"slices {slices} stages {chosen.stages} dq_tile {int(chosen.dq_tile)}: {tflops:6.1f} TFLOP/s",
+                      flush=True)
             except Exception as exc:  # a candidate that does not compile or fit is reported, not fatal
                 print(f"bwd d{head_dim} causal={int(causal)} warps {warps}: failed: {exc}", flush=True)
         table[head_dim] = original

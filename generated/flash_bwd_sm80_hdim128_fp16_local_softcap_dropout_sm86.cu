@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim128_fp16_local_softcap_dropout_sm86(const __grid_constant__ f
         flashgen::half_t, /*kHeadDim=*/128, /*kNWarps=*/4,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::Local,
-        /*kSoftcap=*/true, /*kDropout=*/true>;
+        /*kSoftcap=*/true, /*kDropout=*/true, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 84480, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim128_fp16_local_softcap_dropout_sm90a(const __grid_constant__ 
         flashgen::half_t, /*kHeadDim=*/128, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Local,
-        /*kSoftcap=*/true, /*kDropout=*/true>;
-    static_assert(Traits::kSmemBytes == 168960, "shared memory: the kernel's layout and the host's request differ");
+        /*kSoftcap=*/true, /*kDropout=*/true, /*kDQTile=*/true>;
+    static_assert(Traits::kSmemBytes == 203776, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

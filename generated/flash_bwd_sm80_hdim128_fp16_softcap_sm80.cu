@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim128_fp16_softcap_sm80(const __grid_constant__ flashgen::BwdPa
         flashgen::half_t, /*kHeadDim=*/128, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::None,
-        /*kSoftcap=*/true, /*kDropout=*/false>;
+        /*kSoftcap=*/true, /*kDropout=*/false, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 135680, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim192_bf16_causal_sm80(const __grid_constant__ flashgen::BwdPar
         flashgen::bfloat16_t, /*kHeadDim=*/192, /*kNWarps=*/8,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
-        /*kSoftcap=*/false, /*kDropout=*/false>;
+        /*kSoftcap=*/false, /*kDropout=*/false, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 166912, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim192_bf16_causal_softcap_sm90a(const __grid_constant__ flashge
         flashgen::bfloat16_t, /*kHeadDim=*/192, /*kNWarps=*/8,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
-        /*kSoftcap=*/true, /*kDropout=*/false>;
-    static_assert(Traits::kSmemBytes == 166912, "shared memory: the kernel's layout and the host's request differ");
+        /*kSoftcap=*/true, /*kDropout=*/false, /*kDQTile=*/true>;
+    static_assert(Traits::kSmemBytes == 218112, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

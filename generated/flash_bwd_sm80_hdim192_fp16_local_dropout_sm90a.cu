@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim192_fp16_local_dropout_sm90a(const __grid_constant__ flashgen
         flashgen::half_t, /*kHeadDim=*/192, /*kNWarps=*/8,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Local,
-        /*kSoftcap=*/false, /*kDropout=*/true>;
-    static_assert(Traits::kSmemBytes == 166912, "shared memory: the kernel's layout and the host's request differ");
+        /*kSoftcap=*/false, /*kDropout=*/true, /*kDQTile=*/true>;
+    static_assert(Traits::kSmemBytes == 218112, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -8,8 +8,8 @@ flash_bwd_sm80_hdim256_fp16_causal_softcap_dropout_sm90a(const __grid_constant__
     using Traits = flashgen::BwdTraits<
         flashgen::half_t, /*kHeadDim=*/256, /*kNWarps=*/8,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
-        /*kStages=*/2, flashgen::Mask::Causal,
-        /*kSoftcap=*/true, /*kDropout=*/true>;
-    static_assert(Traits::kSmemBytes == 216064, "shared memory: the kernel's layout and the host's request differ");
+        /*kStages=*/1, flashgen::Mask::Causal,
+        /*kSoftcap=*/true, /*kDropout=*/true, /*kDQTile=*/true>;
+    static_assert(Traits::kSmemBytes == 217600, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

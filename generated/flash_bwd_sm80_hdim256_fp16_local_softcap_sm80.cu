@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim256_fp16_local_softcap_sm80(const __grid_constant__ flashgen:
         flashgen::half_t, /*kHeadDim=*/256, /*kNWarps=*/8,
         /*kBlockN=*/64, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::Local,
-        /*kSoftcap=*/true, /*kDropout=*/false>;
+        /*kSoftcap=*/true, /*kDropout=*/false, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 150016, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim64_bf16_causal_sm90a(const __grid_constant__ flashgen::BwdPar
         flashgen::bfloat16_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/128, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
-        /*kSoftcap=*/false, /*kDropout=*/false>;
-    static_assert(Traits::kSmemBytes == 169984, "shared memory: the kernel's layout and the host's request differ");
+        /*kSoftcap=*/false, /*kDropout=*/false, /*kDQTile=*/true>;
+    static_assert(Traits::kSmemBytes == 206848, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim64_bf16_softcap_dropout_sm80(const __grid_constant__ flashgen
         flashgen::bfloat16_t, /*kHeadDim=*/64, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/128, /*kDSlices=*/1,
         /*kStages=*/1, flashgen::Mask::None,
-        /*kSoftcap=*/true, /*kDropout=*/true>;
+        /*kSoftcap=*/true, /*kDropout=*/true, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 136192, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

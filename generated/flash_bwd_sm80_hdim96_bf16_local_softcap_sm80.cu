@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim96_bf16_local_softcap_sm80(const __grid_constant__ flashgen::
         flashgen::bfloat16_t, /*kHeadDim=*/96, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Local,
-        /*kSoftcap=*/true, /*kDropout=*/false>;
+        /*kSoftcap=*/true, /*kDropout=*/false, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 136192, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -9,7 +9,7 @@ flash_bwd_sm80_hdim96_fp16_causal_sm80(const __grid_constant__ flashgen::BwdPara
         flashgen::half_t, /*kHeadDim=*/96, /*kNWarps=*/8,
         /*kBlockN=*/128, /*kBlockM=*/64, /*kDSlices=*/1,
         /*kStages=*/2, flashgen::Mask::Causal,
-        /*kSoftcap=*/false, /*kDropout=*/false>;
+        /*kSoftcap=*/false, /*kDropout=*/false, /*kDQTile=*/false>;
     static_assert(Traits::kSmemBytes == 136192, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_bwd_sm80<Traits>(params);
 }

@@ -287,6 +287,9 @@ class BwdTile:
     d_slices: int   # dK/dV/dQ columns split over this many CTAs (accumulators fit in registers)
     stages: int = 1  # Q/dO/LSE/D buffers: with 2, step t + 1's rows load during all of step t
     key_groups: int = 0  # 32-key warp groups (block_n = 32 * key_groups); 0: num_warps / 2
+    # dQ rows through a shared fp32 tile and bulk reductions (sm_90 targets, where it fits) instead
+    # of 8-byte atomics from the fragments: kDQTile in bwd_sm80.cuh.
+    dq_tile: bool = False
 
     def __post_init__(self):
         if not self.key_groups:
@@ -306,10 +309,11 @@ class BwdTile:
 
     def smem_bytes(self, head_dim: int) -> int:
         """K, V (block_n rows) and per stage Q, dO (block_m rows), swizzled; the padded Pᵀ and dSᵀ
-        tiles; per stage the LSE and D rows."""
+        tiles; per stage the LSE and D rows; the dQ tile (fp32 rows padded by 8 floats)."""
         rows = (2 * self.block_n + 2 * self.block_m * self.stages) * head_dim * ELEMENT_BYTES
         ds = 2 * self.block_n * (self.block_m + SMEM_ROW_PAD) * ELEMENT_BYTES  # Pᵀ and dSᵀ
-        return rows + ds + 2 * self.block_m * 4 * self.stages
+        dq = self.block_m * (head_dim // self.d_slices + 8) * 4 if self.dq_tile else 0
+        return rows + ds + 2 * self.block_m * 4 * self.stages + dq
 
 
 # (head_dim) -> backward tile, tuned on the H200 with benchmarks/tune_bwd_tiles.py (bf16, s4096,
@@ -320,12 +324,19 @@ class BwdTile:
 # against 140 / 138 and 153 / 147 with the head dim split over two 4-warp CTAs (which recompute S
 # and dP). bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target
 # (two are 1-3% faster than one).
-_BWD_SM80_LARGE = {64: BwdTile(8, 128, 1), 96: BwdTile(8, 64, 1), 128: BwdTile(8, 64, 1),
-                   192: BwdTile(8, 64, 1, key_groups=2), 256: BwdTile(8, 64, 1, key_groups=2)}
+# On sm_90 targets the dQ tile (bulk reductions instead of atomics) is worth more than a second
+# Q/dO stage (d256 has room for only one of them). H200, FLASHGEN_FAMILY=sm80, atomics -> tile:
+# d64 237 / 214 -> 257 / 230, d128 266 / 237 -> 293 / 262, d192 199 / 184 -> 256 / 230, d256
+# (two stages -> one stage and the tile) 201 / 186 -> 263 / 237.
+_BWD_SM80_LARGE = {64: BwdTile(8, 128, 1, dq_tile=True), 96: BwdTile(8, 64, 1, dq_tile=True),
+                   128: BwdTile(8, 64, 1, dq_tile=True), 192: BwdTile(8, 64, 1, key_groups=2, dq_tile=True),
+                   256: BwdTile(8, 64, 1, key_groups=2, dq_tile=True)}
 # With 99 KB (no device to tune on): d96 takes four warps so that Pᵀ and dSᵀ fit next to K, V, Q, dO.
 _BWD_SM80_SMALL = {64: BwdTile(8, 64, 1), 96: BwdTile(4, 64, 1), 128: BwdTile(4, 64, 1),
                    192: BwdTile(2, 32, 2), 256: BwdTile(2, 32, 2)}
 BWD_MAX_STAGES = 2
+# Targets with cp.reduce.async.bulk (the sm80 family's dQ tile).
+BULK_REDUCTION_ARCHS = ("sm_90", "sm_90a")
 
 
 def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile | Sm90BwdTile:
@@ -338,8 +349,13 @@ def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile | Sm90BwdTile:
     if family != "sm80":
         raise ValueError(f"no backward tile table for family {family!r}")
     table = _BWD_SM80_LARGE if smem_limit(arch) >= 163 * 1024 else _BWD_SM80_SMALL
-    for stages in range(BWD_MAX_STAGES, 0, -1):
-        tile = dataclasses.replace(table[head_dim], stages=stages)
-        if tile.smem_bytes(head_dim) <= smem_limit(arch):
-            return tile
+    want = table[head_dim]
+    # The dQ tile where the table asks for it and the target has bulk reductions, with the most
+    # stages that fit next to it; otherwise the atomics.
+    dq_tile_options = (True, False) if want.dq_tile and arch in BULK_REDUCTION_ARCHS else (False,)
+    for dq_tile in dq_tile_options:
+        for stages in range(BWD_MAX_STAGES, 0, -1):
+            tile = dataclasses.replace(want, stages=stages, dq_tile=dq_tile)
+            if tile.smem_bytes(head_dim) <= smem_limit(arch):
+                return tile
     raise AssertionError(f"no backward tile fits {arch} at head_dim {head_dim}")

@@ -41,7 +41,7 @@ struct PaddedRows {
 };
 
 template <typename Element_, int kHeadDim_, int kNWarps_, int kBlockN_, int kBlockM_, int kDSlices_, int kStages_,
-          Mask kMask_, bool kSoftcap_, bool kDropout_>
+          Mask kMask_, bool kSoftcap_, bool kDropout_, bool kDQTile_>
 struct BwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -72,10 +72,22 @@ struct BwdTraits {
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask (Dropout in common.cuh)
     using Smem = SwizzledRows<kHeadDim>;  // layout of the K, V, Q and dO tiles
     using PSmem = PaddedRows<kBlockM>;     // layout of the Pᵀ and dSᵀ tiles: [key][query]
-    // K, V, Q and dO per stage, Pᵀ, dSᵀ, LSE and D per stage; the instance checks it against the
-    // host's request (BwdTile.smem_bytes).
+    // dQ through shared memory (sm_90, BwdTile.dq_tile): each step's dQ rows in fp32, padded by 8
+    // floats so that a warp's 8-byte stores (8 rows x 32 bytes) hit distinct banks, added to
+    // dq_accum by one bulk reduction per row at the next step's start. Otherwise (and in
+    // deterministic mode) the warps add their fragments with 8-byte atomics, which ncu showed
+    // queuing behind each other (lg throttle, and registers waiting for the atomics to read them).
+    static constexpr bool kDQTile = kDQTile_;
+    static constexpr int kDQPitch = (kDSlice + 8) * int(sizeof(float));  // bytes from one dQ row to the next
+#if __CUDA_ARCH__ < 900
+    static_assert(!kDQTile, "bulk reductions need sm_90");
+#endif
+    static_assert(!kDQTile || kDSlices == 1, "a dQ row is one contiguous bulk reduction");
+    // K, V, Q and dO per stage, Pᵀ, dSᵀ, LSE and D per stage, the dQ tile; the instance checks it
+    // against the host's request (BwdTile.smem_bytes).
     static constexpr int kSmemBytes = (2 * kBlockN + 2 * kStages * kBlockM) * Smem::kRowBytes +
-                                      2 * kBlockN * PSmem::kRowBytes + 2 * kStages * kBlockM * int(sizeof(float));
+                                      2 * kBlockN * PSmem::kRowBytes + 2 * kStages * kBlockM * int(sizeof(float)) +
+                                      (kDQTile ? kBlockM * kDQPitch : 0);
     static_assert(kBlockN % 32 == 0 && kWarpsN * kWarpsM == kNWarps, "warps tile the keys in 32-key groups");
     static_assert(kWarpQ % 16 == 0 && kWarpD % 16 == 0 && kDQCols % 16 == 0, "warp tiles are multiples of 16");
     static_assert(kDQRowGroups * kDQColGroups == kNWarps, "dQ tiles cover the step exactly");
@@ -258,6 +270,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     unsigned char* sdSt = sPt + kBlockN * PSmem::kRowBytes;                                      // dSᵀ: [key][query]
     float* sLSE0 = reinterpret_cast<float*>(sdSt + kBlockN * PSmem::kRowBytes);  // stage s: + s * kBlockM
     float* sD0 = sLSE0 + kStages * kBlockM;
+    uint32_t const sdQ = smem_u32(sD0 + kStages * kBlockM);  // the dQ tile (kDQTile): [query][column]
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int const warp_n = warp / Tr::kWarpsM, warp_m = warp % Tr::kWarpsM;  // see BwdTraits
@@ -390,9 +403,23 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
 
     int step_head = 0, step_m = 0;  // step t's (t / m_count, t % m_count)
     int64_t step_stats = stats_first;  // step t's first LSE / D / dq_accum row
+    float slope = 0.f;                 // ALiBi slope of step t's head (loaded when the head starts)
+    // dQ through the shared tile (not in deterministic mode, which orders the atomics): the rows
+    // the tile holds, added to dq_accum at the next step's start.
+    bool const dq_by_tile = Tr::kDQTile && semaphores == nullptr;
+    float* tile_dq_rows = dq_accum;  // their first dq_accum row
+    int tile_rows = 0;               // how many of them exist
+    auto reduce_dq_tile = [&] {      // after a barrier that follows the tile's writes and fences
+        if (tid < kBlockM && tid < tile_rows) {
+            bulk_reduce_add_f32(tile_dq_rows + tid * head_dim, sdQ + tid * Tr::kDQPitch, head_dim * 4);
+            bulk_commit();
+        }
+    };
     for (int t = 0; t < steps; ++t) {
         int const bidh = bidh_kv * qhpk + step_head;
         int const m_block = m_block_min + step_m;
+        if (step_m == 0 && slopes != nullptr)
+            slope = slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale;
         if (++step_m == m_count) {
             step_m = 0;
             ++step_head;
@@ -403,10 +430,9 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         uint32_t const sdO_addr = smem_u32(sdO0) + stage * kRowStageBytes;
         const float* sLSE = sLSE0 + stage * kBlockM;
         const float* sD = sD0 + stage * kBlockM;
-        float const slope = slopes != nullptr
-            ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
         cp_async_wait<kStages - 1>();
         __syncthreads();  // Q, dO (and K, V) landed; LSE, D written; the last step's dS reads done
+        if (dq_by_tile && t > 0) reduce_dq_tile();  // the last step's dQ
 
         // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys.
         float st[2][Tr::kMN][4], dpt[2][Tr::kMN][4];
@@ -480,7 +506,8 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
         // dV += Pᵀ·dO and dK += dSᵀ·Q over all the step's queries, for this warp's keys and columns.
         gemm_ss<Element, PSmem, false, Smem, true, 2, kBlockM, Tr::kDN>(acc_dv, sPt_warp, sdO_addr, dkv_chunk, lane);
         gemm_ss<Element, PSmem, false, Smem, true, 2, kBlockM, Tr::kDN>(acc_dk, sdSt_warp, sQ_addr, dkv_chunk, lane);
-        __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D
+        if (dq_by_tile && tid < kBlockM) bulk_wait_read();  // the last step's dQ left the tile
+        __syncthreads();  // every warp is done with this stage's Q, dO, LSE, D (and the dQ tile is free)
         issue_step(t + kStages);
 
         // dQ tile of this warp = dS (its kDQRows queries x all keys, read transposed from dSᵀ) · K
@@ -495,43 +522,64 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
                 for (int e = 0; e < 4; ++e) acc_dq[mi][i][e] = 0.f;
         gemm_ss<Element, PSmem, true, Smem, true, kDQMI, kBlockN, Tr::kDQCols / 8>(
             acc_dq, smem_u32(sdSt) + dq_row0 * 2, smem_u32(sK), dq_col0 / 8, lane);
-        // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim).
-        auto semaphore = [&] {
-            return semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
-        };
-        if (semaphores != nullptr) {
-            // Deterministic: the key blocks that see this query block add to it one after another,
-            // in key order. They are n_first.. (a local window's left edge skips the first ones);
-            // lower blocks are launched first, so the wait always ends.
-            int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
-            if (tid == 0) {
-                int* const sem = semaphore();
-                while (atomicAdd(sem, 0) != n_block - n_first) {
-                }
-            }
-            __syncthreads();
-        }
-        // Only a sequence's last query block (or a head dim below the instance's) needs predicates.
-        float* const dq_first = dq_accum + step_stats * head_dim + dq_thread_offset;
-        if (q0 + kBlockM <= seqlen_q && dq_cols_all) {
-            add_dq_fragments<false>(acc_dq, dq_first, head_dim, 0, 0);
-        } else {
-            // Bit di: this thread's columns of dQ tile di are inside head_dim.
-            static_assert(Tr::kDQCols / 8 <= 32, "one bit per n8 tile");
-            uint32_t dq_cols_ok = 0;
+        if (dq_by_tile) {
+            // Into the tile; the bulk reductions after the next barrier add it to dq_accum.
 #pragma unroll
-            for (int di = 0; di < Tr::kDQCols / 8; ++di)
-                dq_cols_ok |= uint32_t(dq_col0 + di * 8 + 2 * (lane % 4) < head_dim) << di;
-            add_dq_fragments<true>(acc_dq, dq_first, head_dim, seqlen_q - (q0 + dq_row0 + lane / 4), dq_cols_ok);
-        }
-        if (semaphores != nullptr) {
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) atomicAdd(semaphore(), 1);
+            for (int mi = 0; mi < kDQMI; ++mi)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int ni = 0; ni < Tr::kDQCols / 8; ++ni)
+                        st_shared_f32x2(sdQ + (dq_row0 + mi * 16 + half * 8 + lane / 4) * Tr::kDQPitch +
+                                            (dq_col0 + ni * 8 + 2 * (lane % 4)) * 4,
+                                        acc_dq[mi][ni][2 * half], acc_dq[mi][ni][2 * half + 1]);
+            fence_proxy_async();  // visible to the bulk copies (async proxy)
+            tile_dq_rows = dq_accum + step_stats * head_dim;
+            tile_rows = seqlen_q - q0;
+        } else {
+            // Add to the fp32 dQ buffer (bidb, bidh, query, head_dim) with atomics.
+            auto semaphore = [&] {
+                return semaphores + ((int64_t(bidb) * params.nheads + bidh) * Tr::kDSlices + slice) * m_blocks_stride + m_block;
+            };
+            if (semaphores != nullptr) {
+                // Deterministic: the key blocks that see this query block add to it one after another,
+                // in key order. They are n_first.. (a local window's left edge skips the first ones);
+                // lower blocks are launched first, so the wait always ends.
+                int const n_first = Tr::kMask == Mask::Local ? max(0, (q0 + diag - params.window_left) / kBlockN) : 0;
+                if (tid == 0) {
+                    int* const sem = semaphore();
+                    while (atomicAdd(sem, 0) != n_block - n_first) {
+                    }
+                }
+                __syncthreads();
+            }
+            // Only a sequence's last query block (or a head dim below the instance's) needs predicates.
+            float* const dq_first = dq_accum + step_stats * head_dim + dq_thread_offset;
+            if (q0 + kBlockM <= seqlen_q && dq_cols_all) {
+                add_dq_fragments<false>(acc_dq, dq_first, head_dim, 0, 0);
+            } else {
+                // Bit di: this thread's columns of dQ tile di are inside head_dim.
+                static_assert(Tr::kDQCols / 8 <= 32, "one bit per n8 tile");
+                uint32_t dq_cols_ok = 0;
+#pragma unroll
+                for (int di = 0; di < Tr::kDQCols / 8; ++di)
+                    dq_cols_ok |= uint32_t(dq_col0 + di * 8 + 2 * (lane % 4) < head_dim) << di;
+                add_dq_fragments<true>(acc_dq, dq_first, head_dim, seqlen_q - (q0 + dq_row0 + lane / 4), dq_cols_ok);
+            }
+            if (semaphores != nullptr) {
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) atomicAdd(semaphore(), 1);
+            }
         }
         step_stats += kBlockM;
         if (step_m == 0) step_stats += params.stats_head_stride - m_count * kBlockM;  // the next head's first block
     }
+    if (dq_by_tile && steps > 0) {
+        __syncthreads();  // the last step's dQ tile written
+        reduce_dq_tile();
+    }
+    if (Tr::kDQTile && tid < kBlockM) bulk_wait_all();  // the reductions read shared memory until they complete
 
     // dK (scaled) and dV for this CTA's keys and head-dim slice.
     T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride +

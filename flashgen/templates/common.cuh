@@ -95,6 +95,39 @@ __device__ __forceinline__ void red_add_f32x2(float* addr, float a, float b) {
 #endif
 }
 
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+// The next five are sm_90's; on older targets they compile to nothing (the sm80-family backward
+// that uses them asserts its target: BwdTraits::kDQTile).
+// Orders this thread's view of shared memory written by generic-proxy stores (st.shared, cp.async)
+// before its async-proxy reads of it (wgmma operands, TMA and bulk copies).
+__device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Bulk reduction (sm_90): the `bytes` (a multiple of 16) of fp32 values at shared address src added
+// element-wise to global memory at dst (16-byte aligned), by the copy engine. Committed as a bulk
+// group per thread; the thread then waits until its groups have read shared memory
+// (bulk_wait_read) or, before the CTA exits, have completed (bulk_wait_all).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(__cvta_generic_to_global(dst)), "r"(src), "r"(bytes) : "memory");
+#endif
+}
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+#else
+__device__ __forceinline__ void bulk_commit() {}
+__device__ __forceinline__ void bulk_wait_read() {}
+__device__ __forceinline__ void bulk_wait_all() {}
+#endif
+
 // Programmatic dependent launch (sm_90; nothing on older targets). A kernel that the host
 // launches as a dependent (LoadedKernel.launch_dependent) waits for the previous kernel on the
 // stream, and for its memory, with grid_dependency_wait; a kernel signals with
