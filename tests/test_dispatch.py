@@ -176,6 +176,14 @@ def test_bwd_tile_fits_and_takes_the_most_stages_that_fit(arch, head_dim):
                      and tile.num_warps % (tile.block_m // rows) == 0
                      and (head_dim // tile.d_slices) % (tile.num_warps // (tile.block_m // rows) * 16) == 0]
     assert dq_row_groups, "no dQ tiling covers the step"
+    # dQ through the shared tile and bulk reductions wherever the target has them (every head dim
+    # fits it on sm_90a, d256 with one Q/dO stage), atomics elsewhere; a tile row is one contiguous
+    # dq_accum row and starts 16-byte aligned (kDQPitch).
+    assert tile.dq_tile == (arch in tiles.BULK_REDUCTION_ARCHS)
+    if tile.dq_tile:
+        assert tile.d_slices == 1 and (head_dim // tile.d_slices + 8) * 4 % 16 == 0
+        no_tile = dataclasses.replace(tile, dq_tile=False)
+        assert tile.smem_bytes(head_dim) == no_tile.smem_bytes(head_dim) + tile.block_m * (head_dim + 8) * 4
 
     # The plan launches that tile: one CTA per key block and head-dim slice, per KV head and batch.
     capability = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_90a": (9, 0)}[arch]

@@ -1,5 +1,5 @@
-// The sm80 backward family: dQ, dK, dV of attention from Q, K, V, dO, the forward's LSE and
-// D = rowsum(dO ∘ O) (the preprocess kernel's output).
+// The sm80 backward family: dQ, dK, dV of attention from Q, K, V, dO, and the preprocess kernel's
+// outputs: D = rowsum(dO ∘ O) and the forward's LSE in log2 units.
 //
 // One CTA owns kBlockN keys of one KV head (and, for head dims above 128, one slice of the head
 // dim for dK/dV/dQ) and loops over the query heads of its group and the query blocks that see its
@@ -10,14 +10,17 @@
 //   Pᵀ = exp(Sᵀ - LSE); dSᵀ = Pᵀ ∘ (dPᵀ - D)   (softcap: times 1 - tanh²)
 //   Pᵀ, dSᵀ -> shared memory
 //   dV += Pᵀ·dO, dK += dSᵀ·Q          (warps 2-D: 32 keys x a share of the head-dim slice each)
-//   dQ(m) += dS·K, added to an fp32 buffer with atomics (8-byte vector reductions on sm_90; in
-//   key-block order under deterministic mode, through a per-row-block semaphore)
+//   dQ(m) += dS·K, added to an fp32 buffer: on sm_90 through a shared tile and one bulk reduction
+//   per row during the next step (kDQTile); otherwise, and in deterministic mode, with atomics from
+//   the fragments (deterministic: in key-block order, through a per-row-block semaphore)
 //
 // Shared-memory reads (ldmatrix) are most of each step's instructions: every warp tile is 32 rows
 // wherever the registers allow it, so that each B fragment feeds four MMAs instead of two (1152
 // instead of 1472 ldmatrix.x4 per 128 x 64 step at d128, FlashAttention-2's count; +10% measured).
-// At 255 registers an SM holds 8 warps, and ncu (d128, H200) shows the tensor pipe 43% busy with
-// 7.4 cycles between a warp's instructions: what is left is latency at 2 warps per scheduler.
+// At 255 registers an SM holds 8 warps (2 per scheduler), so latency decides: the per-step
+// integer work is kept small (running pointers for the copies) and, on sm_90, the dQ atomics that
+// queued up behind each other (ncu, d128: 9.4 cycles per issued instruction vs FlashAttention-2's
+// 7.7 with fewer instructions) go through the copy engine instead.
 // Working in the transposed domain keeps the two big accumulators (dK, dV) in registers without
 // any register transpose. K, V, Q and dO tiles use the forward's swizzled layout (SwizzledRows:
 // whole-line cp.async requests); Pᵀ and dSᵀ padded rows (PaddedRows). Padded query rows are zero (Q, dO, D),
@@ -338,7 +341,7 @@ __device__ __forceinline__ void flash_bwd_sm80(const BwdParams& params) {
     Dropout const dropout = Dropout::from(params);
     float* dq_accum = reinterpret_cast<float*>(params.dq_accum_ptr);
     int* semaphores = reinterpret_cast<int*>(params.semaphore_ptr);
-    // dQ tile of this warp: 16 query rows, kDQCols head-dim columns.
+    // dQ tile of this warp: kDQRows query rows, kDQCols head-dim columns.
     int const dq_row0 = (warp % Tr::kDQRowGroups) * Tr::kDQRows;
     int const dq_col0 = col0 + (warp / Tr::kDQRowGroups) * Tr::kDQCols;
     bool const dq_cols_all = dq_col0 + Tr::kDQCols <= head_dim;  // this warp's dQ columns all exist

@@ -128,6 +128,23 @@ def test_bwd_dtype_dim_mask(dtype, head_dim, mask):
     check_bwd(q, k, v, **MASKS[mask])
 
 
+# On Hopper the sm80 family runs the backward of d > 128, deterministic and seqused calls; compiled
+# for sm_90 it adds dQ from a shared tile by bulk reductions (BwdTile.dq_tile), one per query row
+# below seqlen_q, of head_dim columns. Forced here for head dims the sm90 backward would take (on
+# other GPUs the sm80 family runs anyway): partial last blocks, head dims below their instance's,
+# GQA/MQA, a query block with one row.
+@pytest.mark.parametrize("head_dim, nheads_k, mask, seqlen_q, seqlen_k", [
+    pytest.param(64, 4, "none", 1023, 255, id="d64-sq1023-sk255"),
+    pytest.param(72, 2, "causal", 113, 300, id="d72-gqa4_2-causal-sq113-sk300"),
+    pytest.param(128, 1, "local", 300, 113, id="d128-mqa4_1-local-sq300-sk113"),
+    pytest.param(120, 4, "causal", 1, 255, id="d120-causal-sq1-sk255"),
+])
+def test_bwd_sm80_family_forced(monkeypatch, head_dim, nheads_k, mask, seqlen_q, seqlen_k):
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, nheads_k, head_dim)
+    check_bwd(q, k, v, **MASKS[mask])
+
+
 # sq > sk with causal or local leaves the first rows with no visible key (lse -inf: their dq is 0
 # and they add nothing to dk, dv); keys no query sees must still get dk = dv = 0.
 ODD_SEQLENS = [(1, 1), (1, 255), (17, 1023), (113, 113), (113, 255), (255, 113), (1023, 255), (1023, 1023), (255, 1)]
