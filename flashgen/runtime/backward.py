@@ -118,8 +118,8 @@ def flash_bwd(
         sm90=info.capability[0] == 9 and not deterministic and seqused_q is None and seqused_k is None
         and tma.compatible(q, k, v, dout),
     )
-    dsum = torch.empty((stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty_like(dsum)
+    # D and the LSE in log2 units, both written by the preprocess: one allocation.
+    dsum, lse_log2 = torch.empty((2, stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((stats_batch, nheads, stats_rows, head_dim), dtype=torch.float32, device=q.device)
     semaphores = None
     if deterministic:
