@@ -1,6 +1,8 @@
-"""Try backward tile configurations on the device (the backward pass alone).
+"""Try sm80-family backward tile configurations on the device (the backward pass alone).
 
-    python benchmarks/tune_bwd_tiles.py --head-dims 64,128 --seqlen 4096
+    FLASHGEN_FAMILY=sm80 python benchmarks/tune_bwd_tiles.py --head-dims 64,128 --seqlen 4096
+
+(on Hopper, without FLASHGEN_FAMILY=sm80, d64 and d128 would measure the sm90 backward)
 
 Each candidate is patched into tiles._BWD_SM80_LARGE for its measurement (its rendered source
 differs, so it gets its own cache entry). bf16, batch x seqlen = 16k tokens, hidden 2048; TFLOP/s of
@@ -17,8 +19,7 @@ from flashgen.generator import cache, matrix, tiles
 from flashgen.runtime import backward, launch
 
 # (warps, block_m, d_slices, most Q/dO stages, 32-key warp groups or 0 for warps / 2, dQ tile):
-# bwd_tile gives each the most stages that fit, and the dQ tile (sm_90) where it fits with them.
-# Run with FLASHGEN_FAMILY=sm80 on Hopper, where d64 and d128 otherwise take the sm90 backward.
+# bwd_tile gives each the dQ tile (sm_90 targets) and the most stages that fit next to it.
 CANDIDATES = {
     64: [(8, 128, 1, 2, 0, False), (8, 128, 1, 2, 0, True), (8, 64, 1, 2, 0, False), (8, 128, 1, 2, 2, False)],
     128: [(8, 64, 1, 2, 0, False), (8, 64, 1, 2, 0, True), (8, 64, 1, 1, 0, False), (8, 64, 1, 2, 2, False),
