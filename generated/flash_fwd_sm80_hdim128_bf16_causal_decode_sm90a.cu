@@ -8,10 +8,10 @@ flash_fwd_sm80_hdim128_bf16_causal_decode_sm90a(const __grid_constant__ flashgen
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/3,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;
-    static_assert(Traits::kSmemBytes == 135168, "shared memory: the kernel's layout and the host's request differ");
+    static_assert(Traits::kSmemBytes == 102400, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim128_bf16_local_softcap_packgqa_paged_decode_sm80(const __grid
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

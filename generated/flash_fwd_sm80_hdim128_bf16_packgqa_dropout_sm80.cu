@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim128_bf16_packgqa_dropout_sm80(const __grid_constant__ flashge
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim128_fp16_causal_paged_decode_sm90a(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/128, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

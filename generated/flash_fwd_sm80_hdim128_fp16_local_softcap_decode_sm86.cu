@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim128_fp16_local_softcap_decode_sm86(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/128, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;

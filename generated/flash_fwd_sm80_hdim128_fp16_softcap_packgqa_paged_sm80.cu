@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim128_fp16_softcap_packgqa_paged_sm80(const __grid_constant__ f
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/128, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/false>;

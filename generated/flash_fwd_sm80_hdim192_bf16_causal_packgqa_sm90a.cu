@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim192_bf16_causal_packgqa_sm90a(const __grid_constant__ flashge
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/192, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/false>;

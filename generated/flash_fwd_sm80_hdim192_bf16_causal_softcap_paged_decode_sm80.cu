@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim192_bf16_causal_softcap_paged_decode_sm80(const __grid_consta
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/192, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim192_bf16_local_softcap_paged_decode_sm86(const __grid_constan
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/192, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

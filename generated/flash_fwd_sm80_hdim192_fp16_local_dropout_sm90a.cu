@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim192_fp16_local_dropout_sm90a(const __grid_constant__ flashgen
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

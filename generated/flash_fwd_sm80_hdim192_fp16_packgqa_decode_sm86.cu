@@ -8,10 +8,10 @@ flash_fwd_sm80_hdim192_fp16_packgqa_decode_sm86(const __grid_constant__ flashgen
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/3,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;
-    static_assert(Traits::kSmemBytes == 55296, "shared memory: the kernel's layout and the host's request differ");
+    static_assert(Traits::kSmemBytes == 79872, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

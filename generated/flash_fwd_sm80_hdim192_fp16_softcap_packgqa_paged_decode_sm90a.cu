@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim192_fp16_softcap_packgqa_paged_decode_sm90a(const __grid_cons
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/192, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_bf16_causal_packgqa_paged_sm90a(const __grid_constant__ f
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/false>;

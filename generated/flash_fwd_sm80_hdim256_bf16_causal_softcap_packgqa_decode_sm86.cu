@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_bf16_causal_softcap_packgqa_decode_sm86(const __grid_cons
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;

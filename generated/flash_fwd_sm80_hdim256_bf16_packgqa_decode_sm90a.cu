@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_bf16_packgqa_decode_sm90a(const __grid_constant__ flashge
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/256, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;

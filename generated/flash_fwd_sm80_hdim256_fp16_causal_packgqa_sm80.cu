@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_fp16_causal_packgqa_sm80(const __grid_constant__ flashgen
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/false>;

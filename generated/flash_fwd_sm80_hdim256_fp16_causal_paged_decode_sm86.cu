@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_fp16_causal_paged_decode_sm86(const __grid_constant__ fla
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/256, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_fp16_dropout_sm86(const __grid_constant__ flashgen::FwdPa
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/32,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

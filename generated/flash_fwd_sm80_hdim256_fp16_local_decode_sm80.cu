@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_fp16_local_decode_sm80(const __grid_constant__ flashgen::
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/256, /*kBlockM=*/16, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;

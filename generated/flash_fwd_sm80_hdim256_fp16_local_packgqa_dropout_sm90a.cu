@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim256_fp16_local_packgqa_dropout_sm90a(const __grid_constant__ 
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/256, /*kBlockM=*/64, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim64_bf16_local_softcap_packgqa_paged_decode_sm86(const __grid_
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim64_bf16_softcap_packgqa_sm90a(const __grid_constant__ flashge
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockM=*/128, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/false>;

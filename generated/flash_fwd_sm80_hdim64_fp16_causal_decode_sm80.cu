@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim64_fp16_causal_decode_sm80(const __grid_constant__ flashgen::
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/64, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim64_fp16_causal_paged_sm86(const __grid_constant__ flashgen::F
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/64, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/false>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim96_bf16_dropout_sm80(const __grid_constant__ flashgen::FwdPar
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/96, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::None,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim96_bf16_local_softcap_dropout_sm80(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/96, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

@@ -8,10 +8,10 @@ flash_fwd_sm80_hdim96_fp16_causal_packgqa_decode_sm80(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/96, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/3,
         flashgen::Mask::Causal,
         /*kSoftcap=*/false, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;
-    static_assert(Traits::kSmemBytes == 101376, "shared memory: the kernel's layout and the host's request differ");
+    static_assert(Traits::kSmemBytes == 76800, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

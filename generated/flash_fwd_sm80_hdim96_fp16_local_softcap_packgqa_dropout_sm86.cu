@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim96_fp16_local_softcap_packgqa_dropout_sm86(const __grid_const
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/96, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/true, /*kPaged=*/false,
         /*kDropout=*/true, /*kDecode=*/false>;

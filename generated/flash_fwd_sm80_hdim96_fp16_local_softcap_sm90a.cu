@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim96_fp16_local_softcap_sm90a(const __grid_constant__ flashgen:
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/96, /*kBlockM=*/128, /*kBlockN=*/64,
-        /*kNWarps=*/4, /*kWarpsN=*/1, /*kStages=*/1,
+        /*kNWarps=*/4, /*kWarpsN=*/1, /*kKVBuffers=*/2,
         flashgen::Mask::Local,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/false>;

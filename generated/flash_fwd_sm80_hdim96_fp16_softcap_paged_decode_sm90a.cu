@@ -8,7 +8,7 @@ flash_fwd_sm80_hdim96_fp16_softcap_paged_decode_sm90a(const __grid_constant__ fl
     using Traits = flashgen::FwdTraits<
         flashgen::half_t,
         /*kHeadDim=*/96, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kStages=*/2,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
         flashgen::Mask::None,
         /*kSoftcap=*/true, /*kPackGQA=*/false, /*kPaged=*/true,
         /*kDropout=*/false, /*kDecode=*/true>;

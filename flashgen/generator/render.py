@@ -57,7 +57,7 @@ def render_instance(spec: KernelSpec) -> str:
     if spec.direction == "bwd":
         tile = bwd_tile(spec.family, spec.arch, spec.head_dim)
     else:
-        tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode, spec.dropout)
+        tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode, spec.dropout, spec.paged)
     # What every attention instance (forward of either family, backward) takes from its spec and tile.
     attention = dict(
         common,
@@ -65,7 +65,6 @@ def render_instance(spec: KernelSpec) -> str:
         head_dim=spec.head_dim,
         block_m=tile.block_m,
         block_n=tile.block_n,
-        stages=tile.stages,
         num_threads=tile.num_threads,
         smem_bytes=tile.smem_bytes(spec.head_dim),
         mask_enum=spec.mask.capitalize(),
@@ -73,17 +72,17 @@ def render_instance(spec: KernelSpec) -> str:
     )
     if spec.direction == "bwd" and spec.family == "sm90":
         return _env().get_template("bwd_sm90_instance.cu.j2").render(
-            **attention, dropout=_cpp_bool(spec.dropout),
+            **attention, stages=tile.stages, dropout=_cpp_bool(spec.dropout),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
         )
     if spec.direction == "bwd":
         return _env().get_template("bwd_instance.cu.j2").render(
-            **attention, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),
+            **attention, stages=tile.stages, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),
             dq_tile=_cpp_bool(tile.dq_tile),
         )
     if spec.family == "sm90":
         return _env().get_template("fwd_sm90_instance.cu.j2").render(
-            **attention, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
+            **attention, stages=tile.stages, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
             split=_cpp_bool(spec.split), paged=_cpp_bool(spec.paged), gather=_cpp_bool(spec.gather),
             dropout=_cpp_bool(spec.dropout),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
@@ -92,6 +91,7 @@ def render_instance(spec: KernelSpec) -> str:
         **attention,
         num_warps=tile.num_warps,
         warps_n=tile.warps_n,
+        kv_buffers=tile.kv_buffers,
         pack_gqa=_cpp_bool(spec.pack_gqa),
         paged=_cpp_bool(spec.paged),
         dropout=_cpp_bool(spec.dropout),

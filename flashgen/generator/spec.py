@@ -12,7 +12,7 @@ Which switches are compile-time, and why:
 * ``pack_gqa`` changes the row → (query position, head) mapping of every Q load and O store.
 * ``paged`` reads K/V rows through a page table (a divmod and a table load per row); the
   contiguous path keeps its lean addressing and registers.
-* ``decode`` picks the tile for few query rows (16 rows, warps splitting the keys, K/V stages in
+* ``decode`` picks the tile for few query rows (16 rows, warps splitting the keys, K/V copies in
   flight; see tiles.py): decode-shaped calls are bound by reading K/V, and a 128-row tile would spend
   the tensor cores on padding instead.
 * ``dropout`` adds a Philox draw per 4 (forward) or 2 (backward) probabilities of a thread; as a

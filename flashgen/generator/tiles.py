@@ -23,6 +23,9 @@ _SMEM_LIMIT = {
 # different bank groups.
 SMEM_ROW_PAD = 8
 ELEMENT_BYTES = 2  # fp16 and bf16
+# Shared memory the hardware keeps per resident CTA (1 KB on sm_80 and newer): an SM of S bytes holds
+# n CTAs of B bytes each when n * (B + SMEM_PER_CTA_RESERVED) <= S.
+SMEM_PER_CTA_RESERVED = 1024
 
 
 def smem_limit(arch: str) -> int:
@@ -37,7 +40,7 @@ class FwdTile:
     block_m: int     # query rows per CTA
     block_n: int     # key rows per main-loop step
     num_warps: int   # all warps: warps_n of them share each key block, the rest split the rows
-    stages: int = 1  # K/V buffers in flight (see kStages in fwd_sm80.cuh)
+    kv_buffers: int = 2  # block_n-row shared-memory buffers that K and V blocks take in turn (kKVBuffers in fwd_sm80.cuh)
     warps_n: int = 1  # warps splitting each key block (see kWarpsN in fwd_sm80.cuh)
 
     def __post_init__(self):
@@ -45,19 +48,21 @@ class FwdTile:
         if warps_m * self.warps_n != self.num_warps or self.block_m // warps_m not in (16, 32) \
                 or self.block_m % warps_m or (self.block_n // self.warps_n) % 16 or self.block_n % self.warps_n:
             raise ValueError(f"{self}: each warp must own 16 or 32 rows and a multiple of 16 keys")
+        if self.kv_buffers < 2:
+            raise ValueError(f"{self}: K and V need a buffer each")
 
     @property
     def num_threads(self) -> int:
         return self.num_warps * 32
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q tile + one K and one V tile per stage, unpadded rows (swizzled, see SwizzledRows)."""
-        return (self.block_m + 2 * self.block_n * self.stages) * head_dim * ELEMENT_BYTES
+        """Q tile + kv_buffers key-block buffers, unpadded rows (swizzled, see SwizzledRows)."""
+        return (self.block_m + self.block_n * self.kv_buffers) * head_dim * ELEMENT_BYTES
 
     def ctas_per_sm(self, head_dim: int, smem_per_sm: int) -> int:
-        """CTAs one SM holds at once: by shared memory (1 KB reserved per CTA) and by registers
+        """CTAs one SM holds at once: by shared memory (SMEM_PER_CTA_RESERVED each) and by registers
         (the kernels use up to 255 per thread, 64K per SM); at most 32."""
-        by_smem = smem_per_sm // (self.smem_bytes(head_dim) + 1024)
+        by_smem = smem_per_sm // (self.smem_bytes(head_dim) + SMEM_PER_CTA_RESERVED)
         by_registers = 65536 // (self.num_threads * 256)
         return max(1, min(by_smem, by_registers, 32))
 
@@ -85,27 +90,47 @@ _FWD_SM80_SMALL = {
 
 
 # Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). One 16-row tile whose four warps split
-# each 128-key block (32 keys each, merged at the end) with a ring of K/V stages in flight: such calls
-# are bound by reading K/V, and more rows per tile would spend the tensor cores on padding. The stage
-# count is the most that fits the target's shared memory, up to FWD_DECODE_TILE.stages. Tuned on the
-# H200 with benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
-FWD_DECODE_TILE = FwdTile(16, 128, 4, stages=2, warps_n=4)
+# each 128-key block (32 keys each, merged at the end) with a ring of K/V buffers in flight: such
+# calls are bound by reading K/V, and more rows per tile would spend the tensor cores on padding.
+# Tuned on the H200 with benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
+FWD_DECODE_TILE = FwdTile(16, 128, 4, kv_buffers=4, warps_n=4)
 # Up to this many rows take the decode tile (in two row blocks if it holds 16: their K/V reads
 # then coincide in L2); more rows have enough work for the prefill tile.
 DECODE_MAX_ROWS = 32
+# The shallowest ring worth two decode CTAs per SM: with three buffers one block's K and V are in
+# flight while the math reads the third (H200, d128: within 1% of cuDNN from batch 1 to 128, where
+# four buffers and one CTA per SM measured 0.70x at batch 4 x 8k keys: the clusters of splits do
+# not all fit at once).
+DECODE_MIN_SHARED_RING = 3
+# Whether paged caches take that ring too (K and V blocks in turn, each block's page-table loads
+# issued after the previous block's V copy) instead of keeping K and V of a block in a pair of
+# buffers, one CTA per SM. H200 (benchmarks/tune_decode.py --page-size 16 / 256, us, pairs -> ring):
+# b128 x 2k keys 263.1 -> 242.9 / 246.6 -> 241.3, but b1 x 128k 129.1 -> 167.4 / 124.1 -> 124.6 and
+# b16 x 4k 68.4 -> 85.0 / 63.3 -> 63.8: at page 16 the ring only pays with two CTAs on every SM.
+DECODE_PAGED_SHARED_RING = False
 
 
-def decode_tile(arch: str, head_dim: int) -> FwdTile:
-    """FWD_DECODE_TILE with the most stages that fit the target's shared memory. Copies in flight
-    matter more than block size: the key block is halved (each warp keeping >= 16 keys) before
-    the ring is given up for a single stage."""
+def decode_tile(arch: str, head_dim: int, paged: bool = False) -> FwdTile:
+    """FWD_DECODE_TILE's ring for the target. Contiguous caches take the deepest ring of at least
+    DECODE_MIN_SHARED_RING buffers with which two CTAs share an SM. Otherwise (and for paged caches,
+    whose instances keep K and V of a block together, in pairs of buffers) the deepest ring one CTA
+    holds: copies in flight matter more than block size, so the key block is halved (each warp
+    keeping >= 16 keys) before the ring is cut below four buffers."""
     base = FWD_DECODE_TILE
+    limit = smem_limit(arch)
+    if not paged or DECODE_PAGED_SHARED_RING:
+        pair_limit = (limit + SMEM_PER_CTA_RESERVED) // 2 - SMEM_PER_CTA_RESERVED
+        for buffers in range(base.kv_buffers, DECODE_MIN_SHARED_RING - 1, -1):
+            tile = dataclasses.replace(base, kv_buffers=buffers)
+            if tile.smem_bytes(head_dim) <= pair_limit:
+                return tile
     block_sizes = [base.block_n >> i for i in range(8) if (base.block_n >> i) >= 16 * base.warps_n]
-    for min_stages in (min(2, base.stages), 1):
+    step = -2 if paged else -1
+    for min_buffers in (min(4, base.kv_buffers), 2):
         for block_n in block_sizes:
-            for stages in range(base.stages, min_stages - 1, -1):
-                tile = dataclasses.replace(base, block_n=block_n, stages=stages)
-                if tile.smem_bytes(head_dim) <= smem_limit(arch):
+            for buffers in range(base.kv_buffers, min_buffers - 1, step):
+                tile = dataclasses.replace(base, block_n=block_n, kv_buffers=buffers)
+                if tile.smem_bytes(head_dim) <= limit:
                     return tile
     raise ValueError(f"no decode tile fits {arch} at head_dim {head_dim}")
 
@@ -249,7 +274,7 @@ def sm90_mma_widths() -> tuple[int, ...]:
 
 
 def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: bool = False,
-             dropout: bool = False) -> FwdTile:
+             dropout: bool = False, paged: bool = False) -> FwdTile:
     if family == "sm90":
         if decode or head_dim not in _FWD_SM90:
             raise ValueError(f"the sm90 family has no forward tile for head_dim {head_dim} (decode={decode})")
@@ -265,7 +290,7 @@ def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: 
     if family != "sm80":
         raise ValueError(f"no forward tile table for family {family!r}")
     if decode:
-        table = {head_dim: decode_tile(arch, head_dim)}
+        table = {head_dim: decode_tile(arch, head_dim, paged)}
     elif smem_limit(arch) < 163 * 1024:
         table = _FWD_SM80_SMALL
     else:

@@ -4,8 +4,12 @@
 // of the qhead_per_khead query heads that share one KV head — against all visible keys:
 //
 //   for each visible key block n (last to first):
-//     wait K(n); issue V(n) copy;  S = Q·Kᵀ;  softcap, ALiBi, mask;  online softmax -> P
-//     wait V(n); issue K(n-1) copy; O += P·V
+//     wait K(n); refill the buffer V(n+1) freed;  S = Q·Kᵀ;  softcap, ALiBi, mask;  online softmax -> P
+//     wait V(n); refill K(n)'s buffer;            O += P·V
+//
+// K and V blocks take kKVBuffers shared-memory buffers in turn (a ring; each copy kKVBuffers - 1
+// copies ahead of its use). Two buffers: V(n) loads during Q·Kᵀ and K(n-1) during P·V, enough when
+// the math is long (prefill); decode, whose math is short, keeps more copies in flight.
 //
 // Each warp owns kWarpM (16 or 32) query rows and all kBlockN key columns, so the softmax row
 // reductions stay inside a quad of lanes. Shared-memory tiles are unpadded rows with XOR-swizzled
@@ -48,7 +52,7 @@ struct SwizzledRows {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsN_,
-          int kStages_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_, bool kDecode_>
+          int kKVBuffers_, Mask kMask_, bool kSoftcap_, bool kPackGQA_, bool kPaged_, bool kDropout_, bool kDecode_>
 struct FwdTraits {
     using Element = Element_;
     using T = typename Element::storage;
@@ -56,10 +60,8 @@ struct FwdTraits {
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
-    // K/V shared-memory stages. 1: K and V alternate through one buffer each (the copy of one
-    // overlaps the math of the other; enough when the math is long). > 1: a ring of kStages K+V
-    // blocks kept in flight, for decode, where the math is short and the copies are the work.
-    static constexpr int kStages = kStages_;
+    // Key-block buffers in shared memory, which K and V blocks take in turn (FwdTile.kv_buffers).
+    static constexpr int kKVBuffers = kKVBuffers_;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kPackGQA = kPackGQA_;
@@ -68,6 +70,13 @@ struct FwdTraits {
     // The decode tile (few rows, FWD_DECODE_TILE): on sm_90+ its splits may merge in a cluster
     // instead of through the combine kernel (merge_splits_in_cluster).
     static constexpr bool kDecode = kDecode_;
+    // Paged decode keeps each block's K and V in a pair of buffers (a ring of kKVBuffers / 2 K+V
+    // stages): one page-table preparation serves both copies, issued back to back. H200, b1 x 128k
+    // keys, page 16: 129 us against 167 us with three buffers taken in turn (tiles.py,
+    // DECODE_PAGED_SHARED_RING).
+    static constexpr bool kStageRing = kPaged && kDecode && kKVBuffers > 2 && kKVBuffers % 2 == 0;
+    static constexpr int kStages = kKVBuffers / 2;
+    static_assert(kKVBuffers >= 2, "K and V need a buffer each");
 
     // Warps split the query rows kWarpsM ways and each key block kWarpsN ways. kWarpsN > 1 is for
     // decode, where a 16-row tile is already mostly padding: more warps then share the key blocks
@@ -81,8 +90,8 @@ struct FwdTraits {
     static constexpr int kNI = kWarpN / 8;            // n8 tiles of a warp's S
     static constexpr int kDI = kHeadDim / 8;          // n8 tiles of O
     using Smem = SwizzledRows<kHeadDim>;  // layout of the Q, K and V tiles in shared memory
-    // [Q | K0 V0 | K1 V1 | ...]; the instance checks it against the host's request (FwdTile.smem_bytes).
-    static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * Smem::kRowBytes;
+    // [Q | buffer 0 | buffer 1 | ...]; the instance checks it against the host's request (FwdTile.smem_bytes).
+    static constexpr int kSmemBytes = (kBlockM + kKVBuffers * kBlockN) * Smem::kRowBytes;
 
     static_assert(kWarpM == 16 || kWarpM == 32, "a warp owns 16 or 32 query rows");
     static_assert(kWarpsM * kWarpsN == kNWarps, "warps tile the block");
@@ -314,7 +323,7 @@ template <typename Tr>
 struct ClusterMergeSmem {  // at the end of the forward's shared memory
     static constexpr int kBytes = Tr::kBlockM * (Tr::kHeadDim + 1) * 4;
     static constexpr int kOffset = Tr::kSmemBytes - kBytes;
-    // [kBlockM][kHeadDim] O, then [kBlockM] lse. Past the warps' merge exchange (from sK(0)).
+    // [kBlockM][kHeadDim] O, then [kBlockM] lse. Past the warps' merge exchange (from buffer 0).
     static constexpr bool kFits = kOffset >= Tr::kBlockM * Tr::Smem::kRowBytes +
                                                  (Tr::kNWarps - Tr::kWarpsM) * (Tr::kMI * 4 + Tr::kMI * Tr::kDI * 4) * 32 * 4;
 };
@@ -402,10 +411,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     using KVCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start at 128 bytes
-    // [Q | K0 V0 | K1 V1 | ...]: one K and one V buffer per stage.
+    // [Q | buffer 0 | buffer 1 | ...]: kKVBuffers key blocks of K or V.
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    auto sK = [&](int stage) { return sQ + (kBlockM + 2 * stage * kBlockN) * kStride; };
-    auto sV = [&](int stage) { return sK(stage) + kBlockN * kStride; };
+    auto kv_buffer = [&](int buffer) { return sQ + (kBlockM + buffer * kBlockN) * kStride; };
 
     int const tid = threadIdx.x;
     int const warp = tid / 32;
@@ -471,14 +479,13 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     const T* v_base = reinterpret_cast<const T*>(params.v_ptr) + v_row0 + bidh_kv * params.v_head_stride;
     const int* pages = block_table + bidb * params.block_table_batch_stride;
     // The K and V rows of a key block. Contiguous, a row's address is one multiply-add, computed
-    // when the copy is issued. Paged, each row costs a page-table load; those loads are issued one
-    // step ahead (prepare_kv for block n-1 runs before Q·Kᵀ of block n) and their results kept in
-    // registers, so the copies that use them never wait for the table.
+    // when the copy is issued. Paged, each row costs a page-table load; prepare_kv issues those of a
+    // block ahead of its copies (in the ring, as soon as the previous block's V copy is out) and
+    // keeps their results in registers, so the copies that use them rarely wait for the table.
     using KVPtrs = RowPtrs<KVCopy, T>;
     KVPtrs k_ptrs, v_ptrs;  // paged only
-    int kv_block = 0;       // the block prepare_kv prepared
-    auto kv_row_ptrs = [&](const T* base, int64_t page_stride, int64_t row_stride) {
-        int const first = kv_block * kBlockN;
+    auto kv_row_ptrs = [&](int n_block, const T* base, int64_t page_stride, int64_t row_stride) {
+        int const first = n_block * kBlockN;
         return row_ptrs<KVCopy, T>(tid, [&](int r) -> const T* {
             int const key = first + r;
             if (key >= seqlen_k) return nullptr;
@@ -493,37 +500,48 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         });
     };
     auto prepare_kv = [&](int n_block) {
-        kv_block = n_block;
         if constexpr (Tr::kPaged) {
-            k_ptrs = kv_row_ptrs(k_base, params.k_batch_stride, params.k_row_stride);
-            v_ptrs = kv_row_ptrs(v_base, params.v_batch_stride, params.v_row_stride);
+            k_ptrs = kv_row_ptrs(n_block, k_base, params.k_batch_stride, params.k_row_stride);
+            v_ptrs = kv_row_ptrs(n_block, v_base, params.v_batch_stride, params.v_row_stride);
         }
     };
-    auto load_k = [&](int stage) {
-        copy_rows_async<KVCopy, Smem>(smem_u32(sK(stage)), head_dim, tid,
-                                Tr::kPaged ? k_ptrs : kv_row_ptrs(k_base, 0, params.k_row_stride));
+    auto load_k = [&](int buffer, int n_block) {  // paged: block n_block must be the one prepared
+        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), head_dim, tid,
+                                      Tr::kPaged ? k_ptrs : kv_row_ptrs(n_block, k_base, 0, params.k_row_stride));
     };
-    auto load_v = [&](int stage) {
-        copy_rows_async<KVCopy, Smem>(smem_u32(sV(stage)), head_dim, tid,
-                                Tr::kPaged ? v_ptrs : kv_row_ptrs(v_base, 0, params.v_row_stride));
+    auto load_v = [&](int buffer, int n_block) {
+        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), head_dim, tid,
+                                      Tr::kPaged ? v_ptrs : kv_row_ptrs(n_block, v_base, 0, params.v_row_stride));
     };
-    if constexpr (Tr::kStages == 1) {
-        if (n_block_max > n_block_min) {
-            prepare_kv(n_block_max - 1);
-            load_k(0);
+    // Copy 2j + is_v of the ring: K (is_v false) or V of key block n_block_max - 1 - j, into
+    // `buffer`. One commit group per copy, empty past the last block, so that waits count copies.
+    auto issue_copy = [&](int j, bool is_v, int buffer) {
+        int const n_block = n_block_max - 1 - j;
+        if (n_block >= n_block_min) {
+            if (!is_v) {
+                load_k(buffer, n_block);
+            } else {
+                load_v(buffer, n_block);
+                if (n_block > n_block_min) prepare_kv(n_block - 1);
+            }
         }
         cp_async_commit();
-    } else {  // fill the ring: stage s holds block n_block_max - 1 - s; one commit group per stage
+    };
+    if (n_block_max > n_block_min) prepare_kv(n_block_max - 1);
+    if constexpr (Tr::kStageRing) {  // stage s holds block n_block_max - 1 - s; one commit group per stage
 #pragma unroll
         for (int stage = 0; stage < Tr::kStages; ++stage) {
             int const n_block = n_block_max - 1 - stage;
             if (n_block >= n_block_min) {
-                prepare_kv(n_block);
-                load_k(stage);
-                load_v(stage);
+                if (stage > 0) prepare_kv(n_block);
+                load_k(2 * stage, n_block);
+                load_v(2 * stage + 1, n_block);
             }
             cp_async_commit();
         }
+    } else {  // the first kKVBuffers - 1 copies
+#pragma unroll
+        for (int copy = 0; copy < Tr::kKVBuffers - 1; ++copy) issue_copy(copy / 2, copy % 2 == 1, copy);
     }
 
     // ---- Per-row state. Thread owns rows (warp, mi, half): lane / 4 + 8 * half of each m16 tile.
@@ -667,53 +685,51 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     };
 
     // ---- Main loop over key blocks, last to first (the masked blocks come first).
-    if constexpr (Tr::kStages == 1) {
-        uint32_t const sK_addr = smem_u32(sK(0)) + kv_warp_offset;
-        uint32_t const sV_addr = smem_u32(sV(0)) + kv_warp_offset;
+    // A split-KV combine launched after this kernel may have its CTAs scheduled once every CTA of
+    // this grid is on its last key block (or done): they wait for this grid to finish, so its
+    // launch overlaps this kernel's tail (allow_dependent_launch). Triggered at the start, the
+    // waiting CTAs slowed long splits (b1 32k: 40.0 vs 38.4 us without the early launch).
+    if constexpr (!Tr::kStageRing) {
+        constexpr int kBuffers = Tr::kKVBuffers;
+        int k_buffer = 0;  // where K(n_block) is: copy 2j's buffer, j = n_block_max - 1 - n_block
         for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-            // A split-KV combine launched after this kernel may have its CTAs scheduled once every
-            // CTA of this grid is on its last key block (or done): they wait for this grid to
-            // finish, so its launch overlaps this kernel's tail. Triggered at the start, the
-            // waiting CTAs slowed long splits (b1 32k: 40.0 vs 38.4 us without the early launch).
             if (n_block == n_block_min) allow_dependent_launch();
-            cp_async_wait<0>();
-            __syncthreads();  // K(n) landed; every warp finished P·V of the previous block
-            load_v(0);
-            cp_async_commit();
-            if (n_block > n_block_min) prepare_kv(n_block - 1);
+            int const j = n_block_max - 1 - n_block;
+            // (With two buffers K is always in buffer 0 and V in 1: constants for the compiler.)
+            int const v_buffer = k_buffer + 1 == kBuffers ? 0 : k_buffer + 1;
+            int const freed_buffer = k_buffer == 0 ? kBuffers - 1 : k_buffer - 1;  // V(n + 1)'s
+            cp_async_wait<kBuffers - 2>();
+            __syncthreads();  // K(n) landed; every warp finished P·V of block n + 1
+            issue_copy(j + (kBuffers - 1) / 2, (kBuffers - 1) % 2 == 1, freed_buffer);
             float s[kMI][kNI][4];
             uint32_t p[kMI][kWarpN / 16][4];
             zero_scores(s);
-            gemm_qk<Tr>(s, sQ_warp, sK_addr, lane);
+            gemm_qk<Tr>(s, sQ_warp, smem_u32(kv_buffer(k_buffer)) + kv_warp_offset, lane);
             softmax_block(n_block, s, p);
-            cp_async_wait<0>();
-            __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so sK may be refilled
-            if (n_block > n_block_min) load_k(0);
-            cp_async_commit();
-            gemm_pv<Tr>(acc_o, p, sV_addr, lane);
+            cp_async_wait<kBuffers - 2>();
+            __syncthreads();  // V(n) landed; every warp finished Q·Kᵀ, so K(n)'s buffer may be refilled
+            issue_copy(j + kBuffers / 2, kBuffers % 2 == 1, k_buffer);
+            gemm_pv<Tr>(acc_o, p, smem_u32(kv_buffer(v_buffer)) + kv_warp_offset, lane);
+            if constexpr (kBuffers > 2) k_buffer = v_buffer + 1 == kBuffers ? 0 : v_buffer + 1;
         }
     } else {
         int stage = 0;
         for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-            // A split-KV combine launched after this kernel may have its CTAs scheduled once every
-            // CTA of this grid is on its last key block (or done): they wait for this grid to
-            // finish, so its launch overlaps this kernel's tail. Triggered at the start, the
-            // waiting CTAs slowed long splits (b1 32k: 40.0 vs 38.4 us without the early launch).
             if (n_block == n_block_min) allow_dependent_launch();
             cp_async_wait<Tr::kStages - 1>();
             __syncthreads();  // this stage's K and V landed
             float s[kMI][kNI][4];
             uint32_t p[kMI][kWarpN / 16][4];
             zero_scores(s);
-            gemm_qk<Tr>(s, sQ_warp, smem_u32(sK(stage)) + kv_warp_offset, lane);
+            gemm_qk<Tr>(s, sQ_warp, smem_u32(kv_buffer(2 * stage)) + kv_warp_offset, lane);
             softmax_block(n_block, s, p);
-            gemm_pv<Tr>(acc_o, p, smem_u32(sV(stage)) + kv_warp_offset, lane);
+            gemm_pv<Tr>(acc_o, p, smem_u32(kv_buffer(2 * stage + 1)) + kv_warp_offset, lane);
             __syncthreads();  // every warp is done with this stage: refill it kStages blocks ahead
             int const refill = n_block - Tr::kStages;
             if (refill >= n_block_min) {
                 prepare_kv(refill);
-                load_k(stage);
-                load_v(stage);
+                load_k(2 * stage, refill);
+                load_v(2 * stage + 1, refill);
             }
             cp_async_commit();
             stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
@@ -724,16 +740,16 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     // Without split-KV, O is staged through shared memory for 16-byte stores. With it, each split
     // writes fp32 partials and its lse straight from registers, for the combine kernel.
     cp_async_wait<0>();
-    __syncthreads();  // no copy in flight, no warp still reading sQ/sV
+    __syncthreads();  // no copy in flight, no warp still reading Q or a K/V buffer
     if constexpr (Tr::kWarpsN > 1) {
         // Warps that shared the key blocks merge into warp_n 0, through the K/V buffers: each
         // thread's row max, partial row sum and O fragment, stored lane-minor (conflict-free).
         // Thread (warp_n, lane) holds the same rows and columns for every warp_n.
         constexpr int kFrag = kMI * 4 + kMI * kDI * 4;  // floats per thread
         static_assert((Tr::kNWarps - Tr::kWarpsM) * kFrag * 32 * 4 <=
-                          Tr::kStages * 2 * kBlockN * kStride * int(sizeof(T)),
+                          Tr::kKVBuffers * kBlockN * kStride * int(sizeof(T)),
                       "the merge fits in the K/V buffers");
-        float* exchange = reinterpret_cast<float*>(sK(0));
+        float* exchange = reinterpret_cast<float*>(kv_buffer(0));
         auto slot = [&](int from_warp_n) {
             return exchange + ((from_warp_n - 1) * Tr::kWarpsM + warp_m) * kFrag * 32 + lane;
         };
