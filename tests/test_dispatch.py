@@ -84,13 +84,46 @@ def test_plan_softcap_and_mask_switches():
 
 
 def test_plan_decode_tile_for_few_rows():
-    from flashgen.generator.tiles import DECODE_MAX_ROWS, FWD_DECODE_TILE
+    from flashgen.generator.tiles import DECODE_MAX_ROWS, decode_tile
 
     p = plan(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192)
-    assert p.spec.pack_gqa and p.spec.decode and p.tile == FWD_DECODE_TILE
+    assert p.spec.pack_gqa and p.spec.decode and p.tile == decode_tile("sm_90a", 128)
     assert p.grid[:2] == (1, 8)
+    paged = plan(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, paged=True, page_size=16)
+    assert paged.spec.paged and paged.tile == decode_tile("sm_90a", 128, paged=True)
     assert plan(seqlen_q=DECODE_MAX_ROWS).spec.decode
     assert not plan(seqlen_q=DECODE_MAX_ROWS + 1).spec.decode  # the regular tile
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90a", "sm_120"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_decode_tile_ring_for_the_targets_shared_memory(arch, head_dim):
+    from flashgen.generator import tiles
+
+    base, limit = tiles.FWD_DECODE_TILE, tiles.smem_limit(arch)
+    reserved = tiles.SMEM_PER_CTA_RESERVED
+    contiguous, paged = tiles.decode_tile(arch, head_dim), tiles.decode_tile(arch, head_dim, paged=True)
+    for tile in (contiguous, paged):
+        assert tile.smem_bytes(head_dim) <= limit and 2 <= tile.kv_buffers <= base.kv_buffers
+        assert (tile.block_m, tile.num_warps, tile.warps_n) == (base.block_m, base.num_warps, base.warps_n)
+    # Paged instances keep K and V of a block in a pair of buffers.
+    assert paged.kv_buffers % 2 == 0
+    twice = 2 * (contiguous.smem_bytes(head_dim) + reserved) <= limit + reserved
+    if contiguous.kv_buffers >= tiles.DECODE_MIN_SHARED_RING and twice:
+        # The deepest ring with which two CTAs share an SM, at the full key block.
+        assert contiguous.block_n == base.block_n
+        deeper = dataclasses.replace(contiguous, kv_buffers=contiguous.kv_buffers + 1)
+        assert contiguous.kv_buffers == base.kv_buffers or \
+            2 * (deeper.smem_bytes(head_dim) + reserved) > limit + reserved
+    else:
+        # No such ring: the deepest one CTA holds, as deep as the paged one (or one deeper).
+        assert not any(2 * (dataclasses.replace(base, kv_buffers=b).smem_bytes(head_dim) + reserved) <= limit + reserved
+                       for b in range(tiles.DECODE_MIN_SHARED_RING, base.kv_buffers + 1))
+        assert contiguous.block_n >= paged.block_n and contiguous.kv_buffers >= paged.kv_buffers
+    # H200 at d128: three buffers (100 KB), two CTAs per SM; paged: four (one CTA).
+    if (arch, head_dim) == ("sm_90a", 128):
+        assert contiguous.kv_buffers == 3 and contiguous.ctas_per_sm(head_dim, 228 * 1024) == 2
+        assert paged.kv_buffers == 4 and paged.ctas_per_sm(head_dim, 228 * 1024) == 1
 
 
 def test_plan_splits():
@@ -134,18 +167,37 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     assert not plan(seqlen_k=8192, num_splits=13, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
     assert plan(seqlen_k=8192, num_splits=3, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
     assert not plan(seqlen_k=8192, varlen=True, **decode).merge_in_cluster  # the combine zeroes rows past seqused_q
+    # Clusters only while the grid takes at most half the CTA slots: batch 4 (32 tiles x 4 splits)
+    # merges in clusters with two decode CTAs per SM (contiguous), not with one (paged); batch 1
+    # (8 tiles x 8 splits) with either.
+    b4 = {**decode, "batch": 4}
+    assert plan(seqlen_k=8192, **b4).num_splits == 4 and plan(seqlen_k=8192, **b4).merge_in_cluster
+    p = plan(seqlen_k=8192, paged=True, page_size=16, **b4)
+    assert p.tile.ctas_per_sm(128, h200.smem_per_sm) == 1 and p.num_splits == 4 and not p.merge_in_cluster
+    assert plan(seqlen_k=8192, paged=True, page_size=16, **decode).merge_in_cluster
+    # Long splits of few tiles count two decode CTAs per SM where two fit: b4 x 128k keys takes 8
+    # splits of 128 blocks (the combine kernel: 256 CTAs do not fit in clusters); paged (one CTA per
+    # SM) keeps 4; b1 x 128k (32 blocks per split at two per SM) and b8 (2 splits) keep one per SM.
+    p = plan(seqlen_k=131072, **b4)
+    assert p.num_splits == 8 and not p.merge_in_cluster
+    assert plan(seqlen_k=131072, paged=True, page_size=16, **b4).num_splits == 4
+    assert plan(seqlen_k=131072, **decode).num_splits == 16
+    assert plan(seqlen_k=131072, **{**decode, "batch": 8}).num_splits == 2
     prefill = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=32768, num_splits=0, device=h200)
     prefill_splits = plan(**prefill).num_splits
     assert not plan(**prefill).merge_in_cluster
     dispatch.plan_fwd.cache_clear()
     try:
         dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = False
+        dispatch.DECODE_SPLIT_CTAS_PER_SM = 1
+        assert plan(seqlen_k=131072, **b4).num_splits == 4
         assert plan(seqlen_k=32768, **decode).num_splits == 15
         p = plan(seqlen_k=8192, **decode)  # 15 splits of 5 blocks: 13 with keys
         assert p.num_splits == 13 and not p.merge_in_cluster
         assert plan(**prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
     finally:
         dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
+        dispatch.DECODE_SPLIT_CTAS_PER_SM = 2
         dispatch.plan_fwd.cache_clear()
 
 
