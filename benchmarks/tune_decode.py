@@ -32,6 +32,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b2-s128k": (2, 131072, 1),
     "b4-s128k": (4, 131072, 1),
     "b32-s4k": (32, 4096, 1),
+    "b32-s8k": (32, 8192, 1),
     "b128-s2k": (128, 2048, 1),
     "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
@@ -41,7 +42,8 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 # "pagedring" gives paged caches that ring too (tiles.DECODE_PAGED_SHARED_RING), "combine" merges
 # split-KV partials with the combine kernel instead of in a cluster (dispatch.MERGE_IN_CLUSTER),
 # "slots<N>" counts up to N decode CTAs per SM for the split count where they fit
-# (dispatch.DECODE_SPLIT_CTAS_PER_SM), "nopdl" launches that combine normally (not as a
+# (dispatch.DECODE_SPLIT_CTAS_PER_SM), "cluster<N>" cuts splits to a cluster's up to N key blocks
+# (dispatch.DECODE_CLUSTER_MAX_BLOCKS), "nopdl" launches that combine normally (not as a
 # programmatic dependent, sm_90), "nofill" keeps the split heuristic's count
 # (dispatch.DECODE_FILL_WAVE), "fill<N>" fills the wave while each split keeps N key blocks
 # (dispatch.DECODE_FILL_MIN_BLOCKS).
@@ -67,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
                         default=list(SHAPES))
-    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/solo][/pagedring][/combine][/slotsN][/nopdl][/nofill][/fillN]",
+    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/solo][/pagedring][/combine][/slotsN][/clusterN][/nopdl][/nofill][/fillN]",
                         help="candidates to try instead of the built-in list, e.g. 16x64/4/4/6/nofill")
     parser.add_argument("--page-size", type=int, default=None, help="a paged cache of this page size")
     parser.add_argument("--rounds", type=int, default=1, help="measure every candidate this many times, in turn")
@@ -86,7 +88,7 @@ def main() -> None:
     print(f"{env['gpu']}: copy ceiling {ceilings['copy_tbps']:.2f} TB/s")
     cudnn, flashgen = peers.sdpa_impl("sdpa-cudnn", "CUDNN_ATTENTION"), peers.flashgen_impl()
     original = (tiles.FWD_DECODE_TILE, tiles.DECODE_MIN_SHARED_RING, dispatch.DECODE_FILL_MIN_BLOCKS,
-                dispatch.DECODE_SPLIT_CTAS_PER_SM)
+                dispatch.DECODE_SPLIT_CTAS_PER_SM, dispatch.DECODE_CLUSTER_MAX_BLOCKS)
     results: dict[tuple[str, str], list[float]] = {}  # (label, shape) -> us of each round
 
     def measure(label: str, impl) -> None:
@@ -109,6 +111,8 @@ def main() -> None:
             dispatch.DECODE_FILL_WAVE = "nofill" not in options
             dispatch.DECODE_SPLIT_CTAS_PER_SM = next((int(o[5:]) for o in options if o.startswith("slots")
                                                       and o[5:].isdigit()), original[3])
+            dispatch.DECODE_CLUSTER_MAX_BLOCKS = next((int(o[7:]) for o in options if o.startswith("cluster")
+                                                       and o[7:].isdigit()), original[4])
             dispatch.DECODE_FILL_MIN_BLOCKS = next((int(o[4:]) for o in options if o.startswith("fill")
                                                     and o[4:].isdigit()), original[2])
             launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
@@ -117,7 +121,7 @@ def main() -> None:
             measure(" ".join([f"{block_m}x{block_n} w{warps}/{warps_n} b{buffers}", *options]), flashgen)
         measure("cuDNN", cudnn)  # again: drift over the run shows as a difference between the two
     (tiles.FWD_DECODE_TILE, tiles.DECODE_MIN_SHARED_RING, dispatch.DECODE_FILL_MIN_BLOCKS,
-     dispatch.DECODE_SPLIT_CTAS_PER_SM) = original
+     dispatch.DECODE_SPLIT_CTAS_PER_SM, dispatch.DECODE_CLUSTER_MAX_BLOCKS) = original
     tiles.DECODE_PAGED_SHARED_RING = False
     interface.DEPENDENT_COMBINE = dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
     launch._loaded.clear()
