@@ -4,8 +4,8 @@
                                      [--page-size 16] [--rounds 2]
 
 Each candidate is patched into the tile table for its measurements (its rendered source differs,
-so it gets its own cache entry).  One query token, 32 query / 8 KV heads, d128, bf16, contiguous
-cache (or paged), split-KV heuristic; measured as `flashgen bench decode` measures
+so it gets its own cache entry).  One query token, 32 query / 8 KV heads, d128 (or --head-dim),
+bf16, contiguous cache (or paged), split-KV heuristic; measured as `flashgen bench decode` measures
 (flashgen.bench.suites: output checked, K/V rotated past L2, CUDA-graph medians below 100 us).
 With --rounds N every candidate is measured N times in turn (cuDNN before and after each round)
 and the summary gives medians.
@@ -37,25 +37,51 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
 # (block_m, block_n, warps, kv_buffers, warps_n, options); tiles.decode_tile takes the deepest ring up
-# to kv_buffers that the target's shared memory holds (twice per SM where it can). Options: "solo"
-# gives up two CTAs per SM for the deepest ring one CTA holds (tiles.DECODE_MIN_SHARED_RING),
-# "pagedring" gives paged caches that ring too (tiles.DECODE_PAGED_SHARED_RING), "combine" merges
-# split-KV partials with the combine kernel instead of in a cluster (dispatch.MERGE_IN_CLUSTER),
-# "slots<N>" counts up to N decode CTAs per SM for the split count where they fit
-# (dispatch.DECODE_SPLIT_CTAS_PER_SM), "cluster<N>" cuts splits to a cluster's up to N key blocks
-# (dispatch.DECODE_CLUSTER_MAX_BLOCKS), "nopdl" launches that combine normally (not as a
-# programmatic dependent, sm_90), "nofill" keeps the split heuristic's count
-# (dispatch.DECODE_FILL_WAVE), "fill<N>" fills the wave while each split keeps N key blocks
-# (dispatch.DECODE_FILL_MIN_BLOCKS).
+# to kv_buffers that the target's shared memory holds (twice per SM where it can). Options:
+#   solo        the deepest ring one CTA holds, not two CTAs per SM (tiles.DECODE_MIN_SHARED_RING)
+#   pagedring   paged caches take the contiguous tile's ring; an odd ring takes K and V blocks in
+#               turn, an even one keeps them in pairs (tiles.DECODE_PAGED_SHARED_RING)
+#   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
+#   nopdl       that combine launched normally, not as a programmatic dependent (interface.DEPENDENT_COMBINE)
+#   slots<N>    split counts for up to N decode CTAs per SM (dispatch.DECODE_SPLIT_CTAS_PER_SM)
+#   cluster<N>  splits cut to a cluster's up to N key blocks (dispatch.DECODE_CLUSTER_MAX_BLOCKS)
+#   long<N>     clusters of more than two splits for splits of up to N key blocks
+#               (dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS)
+#   nofill      the split heuristic's count as is (dispatch.DECODE_FILL_WAVE)
+#   fill<N>     the wave filled while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS)
+# The knobs each option sets, restored before every candidate and at the end.
+KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_PAGED_SHARED_RING"),
+         (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
+         (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"), (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS")]
+
+
+def apply_options(options: tuple[str, ...]) -> None:
+    def number(prefix: str):
+        return next((int(o[len(prefix):]) for o in options if o.startswith(prefix) and o[len(prefix):].isdigit()), None)
+
+    if "solo" in options:
+        tiles.DECODE_MIN_SHARED_RING = tiles.FWD_DECODE_TILE.kv_buffers + 1  # no ring qualifies
+    tiles.DECODE_PAGED_SHARED_RING |= "pagedring" in options
+    dispatch.MERGE_IN_CLUSTER &= "combine" not in options
+    interface.DEPENDENT_COMBINE &= "nopdl" not in options
+    dispatch.DECODE_FILL_WAVE &= "nofill" not in options
+    for prefix, module, name in (("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
+                                 ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
+                                 ("long", dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"),
+                                 ("fill", dispatch, "DECODE_FILL_MIN_BLOCKS")):
+        if number(prefix) is not None:
+            setattr(module, name, number(prefix))
+
+
 CANDIDATES = [(16, 128, 4, 4, 4, ()), (16, 128, 4, 4, 4, ("solo",)), (16, 128, 4, 2, 4, ()),
               (16, 128, 4, 4, 4, ("combine",)), (16, 128, 4, 4, 4, ("nofill",)),
               (16, 64, 4, 8, 4, ()), (16, 64, 4, 6, 4, ()), (32, 64, 2, 6, 1, ()), (16, 128, 8, 4, 8, ())]
 
 
-def config(shape: str, page_size: int | None) -> dict:
+def config(shape: str, page_size: int | None, head_dim: int) -> dict:
     batch, context, seqlen_q = SHAPES[shape]
     return {"dtype": "bf16", "batch": batch, "seqlen_q": seqlen_q, "context": context, "nheads": 32, "nheads_k": 8,
-            "head_dim": 128, "layout": f"paged{page_size}" if page_size else "contiguous", "page_size": page_size,
+            "head_dim": head_dim, "layout": f"paged{page_size}" if page_size else "contiguous", "page_size": page_size,
             "causal": seqlen_q > 1}
 
 
@@ -69,9 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES),
                         default=list(SHAPES))
-    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/solo][/pagedring][/combine][/slotsN][/clusterN][/nopdl][/nofill][/fillN]",
+    parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/OPTION...]",
                         help="candidates to try instead of the built-in list, e.g. 16x64/4/4/6/nofill")
     parser.add_argument("--page-size", type=int, default=None, help="a paged cache of this page size")
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="measure every candidate this many times, in turn")
     args = parser.parse_args()
     candidates = CANDIDATES
@@ -87,13 +114,21 @@ def main() -> None:
     timers = suites.Timers(kernel_ms, timing.rotated_us, env["l2_bytes"])
     print(f"{env['gpu']}: copy ceiling {ceilings['copy_tbps']:.2f} TB/s")
     cudnn, flashgen = peers.sdpa_impl("sdpa-cudnn", "CUDNN_ATTENTION"), peers.flashgen_impl()
-    original = (tiles.FWD_DECODE_TILE, tiles.DECODE_MIN_SHARED_RING, dispatch.DECODE_FILL_MIN_BLOCKS,
-                dispatch.DECODE_SPLIT_CTAS_PER_SM, dispatch.DECODE_CLUSTER_MAX_BLOCKS)
+    saved = {(module, name): getattr(module, name) for module, name in KNOBS}
+
+    def restore() -> None:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
+        cache._cubins.clear()
+        dispatch.plan_fwd.cache_clear()
+
     results: dict[tuple[str, str], list[float]] = {}  # (label, shape) -> us of each round
 
     def measure(label: str, impl) -> None:
         for shape in args.shapes:
-            row = suites.decode_row(config(shape, args.page_size), [impl], timers, ceilings, "cuda", float("inf"))
+            row = suites.decode_row(config(shape, args.page_size, args.head_dim), [impl], timers, ceilings, "cuda",
+                                    float("inf"))
             entry = row["impls"][impl.name]
             if row["check"] is not None and not row["check"]["ok"]:
                 entry = {"skipped": f"output check failed: {row['check']}"}
@@ -103,30 +138,12 @@ def main() -> None:
     for _ in range(args.rounds):
         measure("cuDNN", cudnn)
         for block_m, block_n, warps, buffers, warps_n, options in candidates:
+            restore()
             tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps, buffers, warps_n)
-            tiles.DECODE_MIN_SHARED_RING = 1 << 10 if "solo" in options else original[1]
-            tiles.DECODE_PAGED_SHARED_RING = "pagedring" in options
-            dispatch.MERGE_IN_CLUSTER = "combine" not in options
-            interface.DEPENDENT_COMBINE = "nopdl" not in options
-            dispatch.DECODE_FILL_WAVE = "nofill" not in options
-            dispatch.DECODE_SPLIT_CTAS_PER_SM = next((int(o[5:]) for o in options if o.startswith("slots")
-                                                      and o[5:].isdigit()), original[3])
-            dispatch.DECODE_CLUSTER_MAX_BLOCKS = next((int(o[7:]) for o in options if o.startswith("cluster")
-                                                       and o[7:].isdigit()), original[4])
-            dispatch.DECODE_FILL_MIN_BLOCKS = next((int(o[4:]) for o in options if o.startswith("fill")
-                                                    and o[4:].isdigit()), original[2])
-            launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
-            cache._cubins.clear()
-            dispatch.plan_fwd.cache_clear()
+            apply_options(options)
             measure(" ".join([f"{block_m}x{block_n} w{warps}/{warps_n} b{buffers}", *options]), flashgen)
         measure("cuDNN", cudnn)  # again: drift over the run shows as a difference between the two
-    (tiles.FWD_DECODE_TILE, tiles.DECODE_MIN_SHARED_RING, dispatch.DECODE_FILL_MIN_BLOCKS,
-     dispatch.DECODE_SPLIT_CTAS_PER_SM, dispatch.DECODE_CLUSTER_MAX_BLOCKS) = original
-    tiles.DECODE_PAGED_SHARED_RING = False
-    interface.DEPENDENT_COMBINE = dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
-    launch._loaded.clear()
-    cache._cubins.clear()
-    dispatch.plan_fwd.cache_clear()
+    restore()
 
     print("\nmedians (us), and cuDNN / candidate:")
     cudnn_us = {shape: statistics.median(results[("cuDNN", shape)]) for shape in args.shapes}

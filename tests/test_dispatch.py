@@ -167,37 +167,38 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     assert not plan(seqlen_k=8192, num_splits=13, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
     assert plan(seqlen_k=8192, num_splits=3, **{k: v for k, v in decode.items() if k != "num_splits"}).merge_in_cluster
     assert not plan(seqlen_k=8192, varlen=True, **decode).merge_in_cluster  # the combine zeroes rows past seqused_q
-    # Clusters only while the grid takes at most half the CTA slots: batch 4 (32 tiles x 4 splits)
-    # merges in clusters with two decode CTAs per SM (contiguous), not with one (paged); batch 1
-    # (8 tiles x 8 splits) with either.
+    # Clusters only while the grid takes at most half the CTA slots: batch 4 x 2k keys (32 tiles x 4
+    # splits) merges in clusters with two decode CTAs per SM (contiguous), not with one (paged);
+    # batch 1 (8 tiles x 8 splits) with either.
     b4 = {**decode, "batch": 4}
-    assert plan(seqlen_k=8192, **b4).num_splits == 4 and plan(seqlen_k=8192, **b4).merge_in_cluster
-    p = plan(seqlen_k=8192, paged=True, page_size=16, **b4)
+    p = plan(seqlen_k=2048, **b4)
+    assert p.num_splits == 4 and p.merge_in_cluster
+    p = plan(seqlen_k=2048, paged=True, page_size=16, **b4)
     assert p.tile.ctas_per_sm(128, h200.smem_per_sm) == 1 and p.num_splits == 4 and not p.merge_in_cluster
     assert plan(seqlen_k=8192, paged=True, page_size=16, **decode).merge_in_cluster
-    # Long splits of few tiles count two decode CTAs per SM where two fit: b4 x 128k keys takes 8
-    # splits of 128 blocks (the combine kernel: 256 CTAs do not fit in clusters); paged (one CTA per
-    # SM) keeps 4; b1 x 128k (32 blocks per split at two per SM) and b8 (2 splits) keep one per SM.
-    p = plan(seqlen_k=131072, **b4)
-    assert p.num_splits == 8 and not p.merge_in_cluster
-    assert plan(seqlen_k=131072, paged=True, page_size=16, **b4).num_splits == 4
-    assert plan(seqlen_k=131072, **decode).num_splits == 16
-    assert plan(seqlen_k=131072, **{**decode, "batch": 8}).num_splits == 2
+    # Clusters of more than two splits only for short splits (DECODE_CLUSTER_MAX_SPLIT_BLOCKS) or
+    # grids of at most half the SMs: b4 x 8k (4 splits of 16 blocks, 128 CTAs) merges through the
+    # combine kernel; b1 x 16k (8 of 16, 64 CTAs) and b8 x 128k (2 of 512) in clusters.
+    p = plan(seqlen_k=8192, **b4)
+    assert p.num_splits == 4 and not p.merge_in_cluster
+    p = plan(seqlen_k=16384, **decode)
+    assert p.num_splits == 8 and p.merge_in_cluster
+    p = plan(seqlen_k=131072, **{**decode, "batch": 8})
+    assert p.num_splits == 2 and p.merge_in_cluster
+    # Decode splits count one CTA per SM even where two fit.
+    assert p.tile.ctas_per_sm(128, h200.smem_per_sm) == 2 and plan(seqlen_k=131072, **b4).num_splits == 4
     prefill = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=32768, num_splits=0, device=h200)
     prefill_splits = plan(**prefill).num_splits
     assert not plan(**prefill).merge_in_cluster
     dispatch.plan_fwd.cache_clear()
     try:
         dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = False
-        dispatch.DECODE_SPLIT_CTAS_PER_SM = 1
-        assert plan(seqlen_k=131072, **b4).num_splits == 4
         assert plan(seqlen_k=32768, **decode).num_splits == 15
         p = plan(seqlen_k=8192, **decode)  # 15 splits of 5 blocks: 13 with keys
         assert p.num_splits == 13 and not p.merge_in_cluster
         assert plan(**prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
     finally:
         dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
-        dispatch.DECODE_SPLIT_CTAS_PER_SM = 2
         dispatch.plan_fwd.cache_clear()
 
 

@@ -102,9 +102,9 @@ DECODE_MAX_ROWS = 32
 # four buffers and one CTA per SM measured 0.70x at batch 4 x 8k keys: the clusters of splits do
 # not all fit at once).
 DECODE_MIN_SHARED_RING = 3
-# Whether paged caches take that ring too (K and V blocks in turn, each block's page-table loads
-# issued after the previous block's V copy) instead of keeping K and V of a block in a pair of
-# buffers, one CTA per SM. H200 (benchmarks/tune_decode.py --page-size 16 / 256, us, pairs -> ring):
+# Whether paged caches take that ring too (an odd ring: K and V blocks in turn, each block's
+# page-table loads issued after the previous block's V copy; an even one still keeps K and V in
+# pairs) instead of the deepest ring of pairs one CTA holds. H200 (benchmarks/tune_decode.py --page-size 16 / 256, us, pairs -> ring):
 # b128 x 2k keys 263.1 -> 242.9 / 246.6 -> 241.3, but b1 x 128k 129.1 -> 167.4 / 124.1 -> 124.6 and
 # b16 x 4k 68.4 -> 85.0 / 63.3 -> 63.8: at page 16 the ring only pays with two CTAs on every SM.
 DECODE_PAGED_SHARED_RING = False
@@ -125,10 +125,10 @@ def decode_tile(arch: str, head_dim: int, paged: bool = False) -> FwdTile:
             if tile.smem_bytes(head_dim) <= pair_limit:
                 return tile
     block_sizes = [base.block_n >> i for i in range(8) if (base.block_n >> i) >= 16 * base.warps_n]
-    step = -2 if paged else -1
-    for min_buffers in (min(4, base.kv_buffers), 2):
+    deepest, step = (base.kv_buffers // 2 * 2, -2) if paged else (base.kv_buffers, -1)
+    for min_buffers in (min(4, deepest), 2):
         for block_n in block_sizes:
-            for buffers in range(base.kv_buffers, min_buffers - 1, step):
+            for buffers in range(deepest, min_buffers - 1, step):
                 tile = dataclasses.replace(base, block_n=block_n, kv_buffers=buffers)
                 if tile.smem_bytes(head_dim) <= limit:
                     return tile

@@ -53,17 +53,13 @@ MAX_SPLITS = 128
 # a switch for benchmarks/tune_decode.py, which measures both ways.)
 DECODE_FILL_WAVE = True
 DECODE_FILL_MIN_BLOCKS = 8
-# Decode splits count one CTA per SM. Where two fit (the contiguous decode ring), the split count
-# for two per SM replaces it when the one-per-SM count already splits each tile at least
-# DECODE_TWO_PER_SM_MIN_SPLITS ways and each split keeps at least DECODE_TWO_PER_SM_MIN_BLOCKS key
-# blocks: a second CTA's copies in flight pay on long splits of few tiles. H200, 32/8 heads, d128,
-# cuDNN / flashgen, one -> two per SM (benchmarks/tune_decode.py --rounds 3, "slots1" / "slots2"):
-# b2 x 128k keys (8 -> 16 splits) 0.974 -> 0.987, b4 x 128k (4 -> 8) 0.962 -> 0.990; but b8 x 32k
-# (2 -> 4) 1.015 -> 0.993, b8 x 128k 1.005 -> 0.990, b16 x 32k (1 -> 2) 1.011 -> 0.989, b16 x 128k
-# 0.994 -> 0.981, and with 32 blocks per split b1 x 128k 1.007 -> 0.993, b4 x 32k 0.984 -> 0.988.
-DECODE_SPLIT_CTAS_PER_SM = 2  # 1: never two (a switch for benchmarks/tune_decode.py)
-DECODE_TWO_PER_SM_MIN_SPLITS = 4
-DECODE_TWO_PER_SM_MIN_BLOCKS = 64
+# Decode splits count one CTA per SM even where two fit (the contiguous decode ring). H200, 32/8
+# heads, cuDNN / flashgen (benchmarks/tune_decode.py --rounds 2-3, "slots1" / "anyslots"): counting
+# two, d128 b4 x 8k 0.997 -> 0.932, b1 x 32k 0.990 -> 0.960, b16 x 32k 1.011 -> 0.989 (more, shorter
+# splits and the combine kernel); where two won (long splits of few tiles: d128 b4 x 128k 0.968 ->
+# 0.990, d96 b4 x 32k 0.797 -> 0.998), one per SM with the combine kernel instead of clusters won
+# more (1.008, 1.036: DECODE_CLUSTER_MAX_SPLIT_BLOCKS).
+DECODE_SPLIT_CTAS_PER_SM = 1  # a switch for benchmarks/tune_decode.py ("slots<N>")
 # Decode splits of one tile merged in a cluster on sm_90+ (up to the portable cluster size, 8): no
 # partials in global memory and no combine kernel. Measured on the H200 (32/8 heads, d128, b1): the
 # combine costs 2.5-3 us a step (b1 2k: 10.0 us with it, 7.2 for the forward alone; merged in a
@@ -78,6 +74,15 @@ DECODE_CLUSTER_MAX_BLOCKS = 128
 # H200, b4 x 8k / 32k keys, paged (one decode CTA per SM), 128 CTAs in clusters of 4: 59.8 / 208.7
 # us, with the combine kernel 40.0 / 128.8; contiguous (two CTAs per SM) in clusters: 37.1 / 126.7.
 DECODE_CLUSTER_MAX_FILL = 0.5
+# Clusters of more than two splits pay for short, latency-bound splits (at most this many key blocks
+# each: b1-b4 x 2k-8k keys), or grids of at most half the SMs (batch 1); longer splits of larger
+# grids merge through the combine kernel. H200, 32/8 heads, contiguous, cuDNN / flashgen, clusters ->
+# combine (tune_decode.py --rounds 2, "slots1" / "slots1/combine"): d128 b2 x 128k (8 splits of 128
+# blocks) 0.975 -> 1.002, b4 x 32k (4 of 64) 0.985 -> 1.004, b4 x 128k 0.968 -> 1.008, b4 x 8k
+# (4 of 16) 1.000 -> 0.994; d96 0.824 -> 1.028, 0.797 -> 1.036, 0.747 -> 1.021, 0.864 -> 1.033;
+# d64 0.913 -> 0.979, 0.909 -> 0.984, 0.898 -> 0.984, 0.965 -> 0.950. Clusters of two (b8) measured
+# 1.01-1.04x with splits of up to 512 blocks.
+DECODE_CLUSTER_MAX_SPLIT_BLOCKS = 8
 MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
@@ -230,36 +235,29 @@ def plan_fwd(
     n_blocks = max(1, -(-seqlen_k // tile.block_n))
     cta_slots = device.num_sms * tile.ctas_per_sm(d_instance, device.smem_per_sm)
 
-    def clusters_fit(splits: int) -> bool:
-        return m_blocks * heads * batch * splits <= DECODE_CLUSTER_MAX_FILL * cta_slots
+    def clusters_merge(splits: int) -> bool:
+        grid = m_blocks * heads * batch * splits
+        short_splits = -(-n_blocks // splits) <= DECODE_CLUSTER_MAX_SPLIT_BLOCKS
+        return grid <= DECODE_CLUSTER_MAX_FILL * cta_slots and (
+            splits <= 2 or short_splits or 2 * grid <= device.num_sms)
 
     if num_splits == 0:
         total_mblocks = m_blocks * heads * batch
         max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch))
 
-        def heuristic_splits(slots: int) -> int:
-            splits = heuristics.num_splits_heuristic(
-                total_mblocks, slots, n_blocks, m_blocks,
-                seqlen_k * head_dim * 2 * 2, mask != "none", max_splits,
-                l2_bytes=device.l2_bytes,
-            )
-            if decode and DECODE_FILL_WAVE and splits > 1 and total_mblocks * splits < slots:
-                filled = min(slots // total_mblocks, max_splits)
-                if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
-                    splits = max(splits, filled)
-            return splits
-
-        if not decode:
-            num_splits = heuristic_splits(cta_slots)
-        else:
-            num_splits = heuristic_splits(device.num_sms)
-            per_sm = min(DECODE_SPLIT_CTAS_PER_SM, tile.ctas_per_sm(d_instance, device.smem_per_sm))
-            if per_sm > 1 and num_splits >= DECODE_TWO_PER_SM_MIN_SPLITS:
-                more = heuristic_splits(device.num_sms * per_sm)
-                if more > num_splits and n_blocks // more >= DECODE_TWO_PER_SM_MIN_BLOCKS:
-                    num_splits = more
+        slots = device.num_sms * min(DECODE_SPLIT_CTAS_PER_SM, tile.ctas_per_sm(d_instance, device.smem_per_sm)) \
+            if decode else cta_slots
+        num_splits = heuristics.num_splits_heuristic(
+            total_mblocks, slots, n_blocks, m_blocks,
+            seqlen_k * head_dim * 2 * 2, mask != "none", max_splits,
+            l2_bytes=device.l2_bytes,
+        )
+        if decode and DECODE_FILL_WAVE and num_splits > 1 and total_mblocks * num_splits < slots:
+            filled = min(slots // total_mblocks, max_splits)
+            if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
+                num_splits = max(num_splits, filled)
         if cluster_merge and num_splits > DECODE_CLUSTER_SPLITS and n_blocks <= DECODE_CLUSTER_MAX_BLOCKS \
-                and clusters_fit(DECODE_CLUSTER_SPLITS):
+                and clusters_merge(DECODE_CLUSTER_SPLITS):
             num_splits = DECODE_CLUSTER_SPLITS
     num_splits = _splits_with_keys(num_splits, n_blocks)
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
@@ -272,7 +270,7 @@ def plan_fwd(
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
-    merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_fit(num_splits)
+    merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_merge(num_splits)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster)
 
 

@@ -9,7 +9,9 @@
 //
 // K and V blocks take kKVBuffers shared-memory buffers in turn (a ring; each copy kKVBuffers - 1
 // copies ahead of its use). Two buffers: V(n) loads during Q·Kᵀ and K(n-1) during P·V, enough when
-// the math is long (prefill); decode, whose math is short, keeps more copies in flight.
+// the math is long (prefill); decode, whose math is short, keeps more copies in flight. Paged decode
+// instances instead keep K and V of a block in a pair of buffers (kStageRing): wait for block n's
+// pair, S, softmax, O, then refill the pair with block n - kKVBuffers / 2.
 //
 // Each warp owns kWarpM (16 or 32) query rows and all kBlockN key columns, so the softmax row
 // reductions stay inside a quad of lanes. Shared-memory tiles are unpadded rows with XOR-swizzled
@@ -75,7 +77,7 @@ struct FwdTraits {
     // keys, page 16: 129 us against 167 us with three buffers taken in turn (tiles.py,
     // DECODE_PAGED_SHARED_RING).
     static constexpr bool kStageRing = kPaged && kDecode && kKVBuffers > 2 && kKVBuffers % 2 == 0;
-    static constexpr int kStages = kKVBuffers / 2;
+    static constexpr int kStages = kKVBuffers / 2;  // K+V pairs (kStageRing only)
     static_assert(kKVBuffers >= 2, "K and V need a buffer each");
 
     // Warps split the query rows kWarpsM ways and each key block kWarpsN ways. kWarpsN > 1 is for
@@ -455,7 +457,7 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         n_block_max = min(n_block_max, (split + 1) * per_split);
     }
 
-    // ---- Prologue: Q and the first K block in flight.
+    // ---- Prologue: Q and the first K/V copies of the ring in flight.
     const T* q_base = reinterpret_cast<const T*>(params.q_ptr) + bidb * params.q_batch_stride +
                       q_offset * params.q_row_stride;
     auto const q_ptrs = row_ptrs<QCopy, T>(tid, [&](int r) -> const T* {
