@@ -52,7 +52,8 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 # The knobs each option sets, restored before every candidate and at the end.
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_PAGED_SHARED_RING"),
          (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
-         (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"), (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS")]
+         (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
+         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS")]
 
 
 def apply_options(options: tuple[str, ...]) -> None:

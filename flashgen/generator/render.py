@@ -77,8 +77,8 @@ def render_instance(spec: KernelSpec) -> str:
         )
     if spec.direction == "bwd":
         return _env().get_template("bwd_instance.cu.j2").render(
-            **attention, stages=tile.stages, num_warps=tile.num_warps, d_slices=tile.d_slices, dropout=_cpp_bool(spec.dropout),
-            dq_tile=_cpp_bool(tile.dq_tile),
+            **attention, stages=tile.stages, num_warps=tile.num_warps, d_slices=tile.d_slices,
+            dropout=_cpp_bool(spec.dropout), dq_tile=_cpp_bool(tile.dq_tile),
         )
     if spec.family == "sm90":
         return _env().get_template("fwd_sm90_instance.cu.j2").render(

@@ -40,7 +40,7 @@ class FwdTile:
     block_m: int     # query rows per CTA
     block_n: int     # key rows per main-loop step
     num_warps: int   # all warps: warps_n of them share each key block, the rest split the rows
-    kv_buffers: int = 2  # block_n-row shared-memory buffers that K and V blocks take in turn (kKVBuffers in fwd_sm80.cuh)
+    kv_buffers: int = 2  # block_n-row buffers that K and V blocks take in turn (kKVBuffers in fwd_sm80.cuh)
     warps_n: int = 1  # warps splitting each key block (see kWarpsN in fwd_sm80.cuh)
 
     def __post_init__(self):
@@ -104,9 +104,10 @@ DECODE_MAX_ROWS = 32
 DECODE_MIN_SHARED_RING = 3
 # Whether paged caches take that ring too (an odd ring: K and V blocks in turn, each block's
 # page-table loads issued after the previous block's V copy; an even one still keeps K and V in
-# pairs) instead of the deepest ring of pairs one CTA holds. H200 (benchmarks/tune_decode.py --page-size 16 / 256, us, pairs -> ring):
-# b128 x 2k keys 263.1 -> 242.9 / 246.6 -> 241.3, but b1 x 128k 129.1 -> 167.4 / 124.1 -> 124.6 and
-# b16 x 4k 68.4 -> 85.0 / 63.3 -> 63.8: at page 16 the ring only pays with two CTAs on every SM.
+# pairs) instead of the deepest ring of pairs one CTA holds. H200 (benchmarks/tune_decode.py
+# --page-size 16 / 256, us, pairs -> ring): b128 x 2k keys 263.1 -> 242.9 / 246.6 -> 241.3, but
+# b1 x 128k 129.1 -> 167.4 / 124.1 -> 124.6 and b16 x 4k 68.4 -> 85.0 / 63.3 -> 63.8: at page 16
+# the ring only pays with two CTAs on every SM.
 DECODE_PAGED_SHARED_RING = False
 
 

@@ -233,7 +233,8 @@ def plan_fwd(
     m_blocks = max(1, -(-rows // tile.block_m))
 
     n_blocks = max(1, -(-seqlen_k // tile.block_n))
-    cta_slots = device.num_sms * tile.ctas_per_sm(d_instance, device.smem_per_sm)
+    ctas_per_sm = tile.ctas_per_sm(d_instance, device.smem_per_sm)
+    cta_slots = device.num_sms * ctas_per_sm
 
     def clusters_merge(splits: int) -> bool:
         grid = m_blocks * heads * batch * splits
@@ -244,9 +245,7 @@ def plan_fwd(
     if num_splits == 0:
         total_mblocks = m_blocks * heads * batch
         max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch))
-
-        slots = device.num_sms * min(DECODE_SPLIT_CTAS_PER_SM, tile.ctas_per_sm(d_instance, device.smem_per_sm)) \
-            if decode else cta_slots
+        slots = device.num_sms * min(DECODE_SPLIT_CTAS_PER_SM, ctas_per_sm) if decode else cta_slots
         num_splits = heuristics.num_splits_heuristic(
             total_mblocks, slots, n_blocks, m_blocks,
             seqlen_k * head_dim * 2 * 2, mask != "none", max_splits,
