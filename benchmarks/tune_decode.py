@@ -27,7 +27,10 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b16-s32k": (16, 32768, 1),
     "b16-s128k": (16, 131072, 1),
     "b1-s8k": (1, 8192, 1),
+    "b1-s16k": (1, 16384, 1),
     "b1-s32k": (1, 32768, 1),
+    "b2-s16k": (2, 16384, 1),
+    "b2-s32k": (2, 32768, 1),
     "b1-s128k": (1, 131072, 1),
     "b2-s128k": (2, 131072, 1),
     "b4-s128k": (4, 131072, 1),
@@ -43,6 +46,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #               turn, an even one keeps them in pairs (tiles.DECODE_PAGED_SHARED_RING)
 #   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
 #   nopdl       that combine launched normally, not as a programmatic dependent (interface.DEPENDENT_COMBINE)
+#   nopdlfwd    the forward launched normally, not as a programmatic dependent (dispatch.DECODE_DEPENDENT_LAUNCH)
 #   slots<N>    split counts for up to N decode CTAs per SM (dispatch.DECODE_SPLIT_CTAS_PER_SM)
 #   cluster<N>  splits cut to a cluster's up to N key blocks (dispatch.DECODE_CLUSTER_MAX_BLOCKS)
 #   long<N>     clusters of more than two splits for splits of up to N key blocks
@@ -53,7 +57,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_PAGED_SHARED_RING"),
          (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
          (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
-         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS")]
+         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH")]
 
 
 def apply_options(options: tuple[str, ...]) -> None:
@@ -65,6 +69,7 @@ def apply_options(options: tuple[str, ...]) -> None:
     tiles.DECODE_PAGED_SHARED_RING |= "pagedring" in options
     dispatch.MERGE_IN_CLUSTER &= "combine" not in options
     interface.DEPENDENT_COMBINE &= "nopdl" not in options
+    dispatch.DECODE_DEPENDENT_LAUNCH &= "nopdlfwd" not in options
     dispatch.DECODE_FILL_WAVE &= "nofill" not in options
     for prefix, module, name in (("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
                                  ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),

@@ -202,6 +202,27 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
         dispatch.plan_fwd.cache_clear()
 
 
+def test_plan_decode_is_a_dependent_launch_on_sm90_only():
+    from flashgen.runtime import dispatch
+    from flashgen.runtime.dispatch import DeviceInfo
+
+    h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
+    a100 = DeviceInfo((8, 0), num_sms=108, l2_bytes=40 * 2**20, smem_per_sm=164 * 1024)
+    decode = dict(batch=4, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=4096, num_splits=0)
+    assert plan(device=h200, **decode).dependent_launch
+    assert plan(device=h200, paged=True, page_size=16, **decode).dependent_launch
+    assert not plan(device=a100, **decode).dependent_launch  # griddepcontrol is sm_90+
+    # Prefill tiles keep the plain launch.
+    assert not plan(device=h200, **{**decode, "seqlen_q": 512}).dependent_launch
+    dispatch.plan_fwd.cache_clear()
+    try:
+        dispatch.DECODE_DEPENDENT_LAUNCH = False
+        assert not plan(device=h200, **decode).dependent_launch
+    finally:
+        dispatch.DECODE_DEPENDENT_LAUNCH = True
+        dispatch.plan_fwd.cache_clear()
+
+
 def test_plan_paged_forces_packing():
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.pack_gqa
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.paged

@@ -153,6 +153,8 @@ def test_launch_ex_paths_set_their_attribute_per_call(monkeypatch):
     kernel.launch_cluster((1, 8, 6), 9, b"params", (1, 1, 3))  # another split count: other dims
     kernel.launch_dependent((32, 1, 1), 7, b"params")
     kernel.launch_dependent((64, 1, 1), 7, b"params")
+    kernel.launch_cluster((1, 8, 4), 7, b"params", (1, 1, 4), dependent=True)
+    kernel.launch_cluster((1, 8, 2), 7, b"params", (1, 1, 2))  # the plain cluster config is its own
     cluster = ("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION", 0)
     pdl = ("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION", 1, (0, 0, 0))
     assert [(x["grid"], x["stream"], x["attrs"]) for x in driver.launches] == [
@@ -160,6 +162,8 @@ def test_launch_ex_paths_set_their_attribute_per_call(monkeypatch):
         ((1, 8, 6), 9, [(*cluster, (1, 1, 3))]),
         ((32, 1, 1), 7, [pdl]),
         ((64, 1, 1), 7, [pdl]),
+        ((1, 8, 4), 7, [(*cluster, (1, 1, 4)), pdl]),
+        ((1, 8, 2), 7, [(*cluster, (1, 1, 2))]),
     ]
     assert all(x["block"] == (128, 1, 1) and x["smem"] == 1000 for x in driver.launches)
 

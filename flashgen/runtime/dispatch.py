@@ -38,6 +38,9 @@ class FwdPlan:
     # Decode split-KV on sm_90+: a tile's splits run as one cluster of (1, 1, num_splits) CTAs and
     # merge through distributed shared memory, without the combine kernel (fwd_sm80.cuh).
     merge_in_cluster: bool = False
+    # Launched as a programmatic dependent of the kernel before it on the stream (decode on sm_90+,
+    # DECODE_DEPENDENT_LAUNCH): its CTAs wait in griddepcontrol.wait for that kernel's end.
+    dependent_launch: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -84,6 +87,11 @@ DECODE_CLUSTER_MAX_FILL = 0.5
 # 1.01-1.04x with splits of up to 512 blocks.
 DECODE_CLUSTER_MAX_SPLIT_BLOCKS = 8
 MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
+# Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
+# previous kernel on the stream finishes its last wave (once all its CTAs have executed
+# griddepcontrol.launch_dependents, or exited) and wait in griddepcontrol.wait, before reading
+# anything, for its completion; the launch latency between the two kernels is hidden.
+DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -265,12 +273,14 @@ def plan_fwd(
             dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
-            family=family, varlen=varlen, dropout=dropout,
+            family=family, varlen=varlen, varlen_uniform=varlen_uniform, dropout=dropout, sm90=sm90,
+            page_size=page_size, leftpad=leftpad,
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_merge(num_splits)
-    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster)
+    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster,
+                   dependent_launch=decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH)
 
 
 def _plan_fwd_sm90(

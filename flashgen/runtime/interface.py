@@ -97,7 +97,7 @@ def _launch(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index:
     kernel = get_kernel(spec, smem_bytes, num_threads)
     launch = kernel.launch_dependent if dependent else kernel.launch
     if cluster is not None:
-        launch = functools.partial(kernel.launch_cluster, cluster=cluster)
+        launch = functools.partial(kernel.launch_cluster, cluster=cluster, dependent=dependent)
     if torch.cuda.current_device() != index:
         with torch.cuda.device(index):
             kernel.prepare(index)
@@ -254,7 +254,7 @@ def run_fwd(
         group = nheads // nheads_k if plan.spec.pack_gqa else 1
         packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
     _launch(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
-            cluster=(1, 1, splits) if plan.merge_in_cluster else None)
+            dependent=plan.dependent_launch, cluster=(1, 1, splits) if plan.merge_in_cluster else None)
     if padded_out is not None:
         out.copy_(padded_out[..., :head_dim])
     if splits > 1 and not plan.merge_in_cluster:

@@ -119,7 +119,7 @@ class LoadedKernel:
     """One kernel instance in this process: its CUkernel, and the devices it was set up for."""
 
     __slots__ = ("spec", "library", "kernel", "smem_bytes", "num_threads", "_devices", "_dependent_config",
-                 "_cluster_config")
+                 "_cluster_config", "_dependent_cluster_config")
 
     def __init__(self, spec: KernelSpec, cubin: bytes, smem_bytes: int, num_threads: int):
         driver = _import_driver()
@@ -138,6 +138,7 @@ class LoadedKernel:
         # launch_dependent's and launch_cluster's CUlaunchConfig, one per thread (_config).
         self._dependent_config = threading.local()
         self._cluster_config = threading.local()
+        self._dependent_cluster_config = threading.local()
 
     def prepare(self, device_index: int) -> None:
         """Raise the dynamic shared-memory limit on a device (once per device)."""
@@ -180,27 +181,34 @@ class LoadedKernel:
         self._launch_ex(config, grid, stream_handle, params)
 
     def launch_cluster(self, grid: tuple[int, int, int], stream_handle: int, params: bytes,
-                       cluster: tuple[int, int, int]) -> None:
-        """Enqueue with thread-block clusters of ``cluster`` CTAs (sm_90+; the grid divisible by it)."""
-        config, attribute = self._config(self._cluster_config, _cluster_dimension)
-        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
-        config.attrs = [attribute]  # the config keeps a copy of the attribute: set it again
+                       cluster: tuple[int, int, int], dependent: bool = False) -> None:
+        """Enqueue with thread-block clusters of ``cluster`` CTAs (sm_90+; the grid divisible by it);
+        ``dependent``: also as a programmatic dependent launch (launch_dependent)."""
+        if dependent:
+            config, attributes = self._config(self._dependent_cluster_config, _cluster_dimension,
+                                              _allow_programmatic_serialization)
+        else:
+            config, attributes = self._config(self._cluster_config, _cluster_dimension)
+        attributes[0].value.clusterDim.x, attributes[0].value.clusterDim.y, attributes[0].value.clusterDim.z = cluster
+        config.attrs = attributes  # the config keeps a copy of its attributes: set them again
         self._launch_ex(config, grid, stream_handle, params)
 
-    def _config(self, local: threading.local, init_attribute: Callable):
-        """This thread's CUlaunchConfig in ``local`` and its one attribute (set up by
-        ``init_attribute``), made on first use: grid and stream are filled in per call, so threads
+    def _config(self, local: threading.local, *init_attributes: Callable):
+        """This thread's CUlaunchConfig in ``local`` and its attributes (each set up by one of
+        ``init_attributes``), made on first use: grid and stream are filled in per call, so threads
         launching this kernel (e.g. one per GPU) must not share one."""
         if getattr(local, "config", None) is None:
-            attribute = _driver.CUlaunchAttribute()
-            init_attribute(attribute)
+            attributes = []
+            for init_attribute in init_attributes:
+                attributes.append(_driver.CUlaunchAttribute())
+                init_attribute(attributes[-1])
             config = _driver.CUlaunchConfig()
-            config.attrs = [attribute]
-            config.numAttrs = 1
+            config.attrs = attributes
+            config.numAttrs = len(attributes)
             config.blockDimX, config.blockDimY, config.blockDimZ = self.num_threads, 1, 1
             config.sharedMemBytes = self.smem_bytes
-            local.config, local.attribute = config, attribute
-        return local.config, local.attribute
+            local.config, local.attributes = config, attributes
+        return local.config, local.attributes
 
     def _launch_ex(self, config, grid: tuple[int, int, int], stream_handle: int, params: bytes) -> None:
         config.gridDimX, config.gridDimY, config.gridDimZ = grid

@@ -412,6 +412,9 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     using QCopy = RowCopy<kBlockM, Tr::kHeadDim, Tr::kNThreads>;
     using KVCopy = RowCopy<kBlockN, Tr::kHeadDim, Tr::kNThreads>;
 
+    // Decode instances are launched as programmatic dependents on sm_90+ (FwdPlan.dependent_launch):
+    // nothing may be read before the previous kernel on the stream has finished.
+    if constexpr (Tr::kDecode) grid_dependency_wait();
     extern __shared__ __align__(128) unsigned char smem_raw[];  // swizzled tiles start at 128 bytes
     // [Q | buffer 0 | buffer 1 | ...]: kKVBuffers key blocks of K or V.
     T* sQ = reinterpret_cast<T*>(smem_raw);
