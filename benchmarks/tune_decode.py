@@ -19,7 +19,11 @@ from flashgen.runtime import dispatch, interface, launch
 
 SHAPES = {  # name -> (batch, keys, query tokens)
     "b1-s2k": (1, 2048, 1),
+    "b2-s8k": (2, 8192, 1),
+    "b4-s2k": (4, 2048, 1),
+    "b4-s4k": (4, 4096, 1),
     "b4-s8k": (4, 8192, 1),
+    "b16-s2k": (16, 2048, 1),
     "b4-s32k": (4, 32768, 1),
     "b8-s32k": (8, 32768, 1),
     "b8-s128k": (8, 131072, 1),
@@ -47,6 +51,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
 #   nopdl       that combine launched normally, not as a programmatic dependent (interface.DEPENDENT_COMBINE)
 #   nopdlfwd    the forward launched normally, not as a programmatic dependent (dispatch.DECODE_DEPENDENT_LAUNCH)
+#   pdlany      the forward a programmatic dependent at any grid size (dispatch.DECODE_DEPENDENT_MAX_SM_SHARE)
 #   slots<N>    split counts for up to N decode CTAs per SM (dispatch.DECODE_SPLIT_CTAS_PER_SM)
 #   cluster<N>  splits cut to a cluster's up to N key blocks (dispatch.DECODE_CLUSTER_MAX_BLOCKS)
 #   long<N>     clusters of more than two splits for splits of up to N key blocks
@@ -57,7 +62,8 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_PAGED_SHARED_RING"),
          (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
          (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
-         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH")]
+         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH"),
+         (dispatch, "DECODE_DEPENDENT_MAX_SM_SHARE")]
 
 
 def apply_options(options: tuple[str, ...]) -> None:
@@ -70,6 +76,8 @@ def apply_options(options: tuple[str, ...]) -> None:
     dispatch.MERGE_IN_CLUSTER &= "combine" not in options
     interface.DEPENDENT_COMBINE &= "nopdl" not in options
     dispatch.DECODE_DEPENDENT_LAUNCH &= "nopdlfwd" not in options
+    if "pdlany" in options:
+        dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = float("inf")
     dispatch.DECODE_FILL_WAVE &= "nofill" not in options
     for prefix, module, name in (("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
                                  ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),

@@ -208,9 +208,16 @@ def test_plan_decode_is_a_dependent_launch_on_sm90_only():
 
     h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
     a100 = DeviceInfo((8, 0), num_sms=108, l2_bytes=40 * 2**20, smem_per_sm=164 * 1024)
-    decode = dict(batch=4, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=4096, num_splits=0)
-    assert plan(device=h200, **decode).dependent_launch
+    decode = dict(batch=1, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0)
+    # b1 x 8k: 64 CTAs (8 tiles x 8 splits), at most half the SMs; b128 x 2k: 1024 CTAs, several
+    # waves of the 264 slots; both dependent. b4 x 4k: 128 CTAs (32 x 4 splits), about one per SM: not.
+    p = plan(device=h200, **decode)
+    assert p.grid == (1, 8, 8) and p.dependent_launch
     assert plan(device=h200, paged=True, page_size=16, **decode).dependent_launch
+    p = plan(device=h200, **{**decode, "batch": 128, "seqlen_k": 2048})
+    assert p.grid == (1, 8, 128) and p.dependent_launch
+    p = plan(device=h200, **{**decode, "batch": 4, "seqlen_k": 4096})
+    assert p.grid == (1, 8, 16) and not p.dependent_launch
     assert not plan(device=a100, **decode).dependent_launch  # griddepcontrol is sm_90+
     # Prefill tiles keep the plain launch.
     assert not plan(device=h200, **{**decode, "seqlen_q": 512}).dependent_launch
@@ -218,8 +225,10 @@ def test_plan_decode_is_a_dependent_launch_on_sm90_only():
     try:
         dispatch.DECODE_DEPENDENT_LAUNCH = False
         assert not plan(device=h200, **decode).dependent_launch
+        dispatch.DECODE_DEPENDENT_LAUNCH, dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = True, float("inf")
+        assert plan(device=h200, **{**decode, "batch": 4, "seqlen_k": 4096}).dependent_launch
     finally:
-        dispatch.DECODE_DEPENDENT_LAUNCH = True
+        dispatch.DECODE_DEPENDENT_LAUNCH, dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = True, 0.5
         dispatch.plan_fwd.cache_clear()
 
 

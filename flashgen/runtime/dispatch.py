@@ -90,8 +90,12 @@ MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measure
 # Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
 # previous kernel on the stream finishes its last wave (once all its CTAs have executed
 # griddepcontrol.launch_dependents, or exited) and wait in griddepcontrol.wait, before reading
-# anything, for its completion; the launch latency between the two kernels is hidden.
+# anything, for its completion; the launch latency between the two kernels is hidden. Only for
+# grids of at most DECODE_DEPENDENT_MAX_SM_SHARE of the SMs, or of more CTAs than the SMs hold at
+# once: a grid of about one CTA per SM, scheduled while the previous kernel still holds a CTA slot
+# of most SMs, is not spread one per SM.
 DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
+DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -279,8 +283,10 @@ def plan_fwd(
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_merge(num_splits)
-    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster,
-                   dependent_launch=decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH)
+    ctas = m_blocks * heads * batch * num_splits
+    dependent = decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH and (
+        ctas <= DECODE_DEPENDENT_MAX_SM_SHARE * device.num_sms or ctas > cta_slots)
+    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent)
 
 
 def _plan_fwd_sm90(
