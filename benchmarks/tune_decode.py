@@ -43,9 +43,11 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b128-s2k": (128, 2048, 1),
     "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
-# (block_m, block_n, warps, kv_buffers, warps_n, options); tiles.decode_tile takes the deepest ring up
-# to kv_buffers that the target's shared memory holds (twice per SM where it can). Options:
+# (block_m, block_n, warps, kv_buffers, warps_n, options); tiles.decode_tile takes the deepest ring
+# that two CTAs per SM hold, up to max(kv_buffers, tiles.DECODE_MAX_SHARED_RING), else the deepest
+# ring of up to kv_buffers that one CTA holds. Options:
 #   solo        the deepest ring one CTA holds, not two CTAs per SM (tiles.DECODE_MIN_SHARED_RING)
+#   shared<N>   two CTAs per SM take rings of up to N buffers (tiles.DECODE_MAX_SHARED_RING)
 #   pagedring   paged caches take the contiguous tile's ring; an odd ring takes K and V blocks in
 #               turn, an even one keeps them in pairs (tiles.DECODE_PAGED_SHARED_RING)
 #   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
@@ -59,7 +61,8 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #   nofill      the split heuristic's count as is (dispatch.DECODE_FILL_WAVE)
 #   fill<N>     the wave filled while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS)
 # The knobs each option sets, restored before every candidate and at the end.
-KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_PAGED_SHARED_RING"),
+KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),
+         (tiles, "DECODE_PAGED_SHARED_RING"),
          (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
          (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
          (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH"),
@@ -70,8 +73,6 @@ def apply_options(options: tuple[str, ...]) -> None:
     def number(prefix: str):
         return next((int(o[len(prefix):]) for o in options if o.startswith(prefix) and o[len(prefix):].isdigit()), None)
 
-    if "solo" in options:
-        tiles.DECODE_MIN_SHARED_RING = tiles.FWD_DECODE_TILE.kv_buffers + 1  # no ring qualifies
     tiles.DECODE_PAGED_SHARED_RING |= "pagedring" in options
     dispatch.MERGE_IN_CLUSTER &= "combine" not in options
     interface.DEPENDENT_COMBINE &= "nopdl" not in options
@@ -79,12 +80,15 @@ def apply_options(options: tuple[str, ...]) -> None:
     if "pdlany" in options:
         dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = float("inf")
     dispatch.DECODE_FILL_WAVE &= "nofill" not in options
-    for prefix, module, name in (("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
+    for prefix, module, name in (("shared", tiles, "DECODE_MAX_SHARED_RING"),
+                                 ("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
                                  ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
                                  ("long", dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"),
                                  ("fill", dispatch, "DECODE_FILL_MIN_BLOCKS")):
         if number(prefix) is not None:
             setattr(module, name, number(prefix))
+    if "solo" in options:  # no shared ring qualifies
+        tiles.DECODE_MIN_SHARED_RING = max(tiles.FWD_DECODE_TILE.kv_buffers, tiles.DECODE_MAX_SHARED_RING) + 1
 
 
 CANDIDATES = [(16, 128, 4, 4, 4, ()), (16, 128, 4, 4, 4, ("solo",)), (16, 128, 4, 2, 4, ()),

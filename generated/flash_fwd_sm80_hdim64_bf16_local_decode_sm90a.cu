@@ -8,10 +8,10 @@ flash_fwd_sm80_hdim64_bf16_local_decode_sm90a(const __grid_constant__ flashgen::
     using Traits = flashgen::FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/64, /*kBlockM=*/16, /*kBlockN=*/128,
-        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/4,
+        /*kNWarps=*/4, /*kWarpsN=*/4, /*kKVBuffers=*/6,
         flashgen::Mask::Local,
         /*kSoftcap=*/false, /*kPackGQA=*/false, /*kPaged=*/false,
         /*kDropout=*/false, /*kDecode=*/true>;
-    static_assert(Traits::kSmemBytes == 67584, "shared memory: the kernel's layout and the host's request differ");
+    static_assert(Traits::kSmemBytes == 100352, "shared memory: the kernel's layout and the host's request differ");
     flashgen::flash_fwd_sm80<Traits>(params);
 }

@@ -103,9 +103,11 @@ def test_decode_tile_ring_for_the_targets_shared_memory(arch, head_dim):
     base, limit = tiles.FWD_DECODE_TILE, tiles.smem_limit(arch)
     reserved = tiles.SMEM_PER_CTA_RESERVED
     contiguous, paged = tiles.decode_tile(arch, head_dim), tiles.decode_tile(arch, head_dim, paged=True)
+    deepest_shared = max(base.kv_buffers, tiles.DECODE_MAX_SHARED_RING)
     for tile in (contiguous, paged):
-        assert tile.smem_bytes(head_dim) <= limit and 2 <= tile.kv_buffers <= base.kv_buffers
+        assert tile.smem_bytes(head_dim) <= limit and 2 <= tile.kv_buffers <= deepest_shared
         assert (tile.block_m, tile.num_warps, tile.warps_n) == (base.block_m, base.num_warps, base.warps_n)
+    assert paged.kv_buffers <= base.kv_buffers  # one CTA per SM: FWD_DECODE_TILE's ring at most
     # Paged instances keep K and V of a block in a pair of buffers.
     assert paged.kv_buffers % 2 == 0
     twice = 2 * (contiguous.smem_bytes(head_dim) + reserved) <= limit + reserved
@@ -113,17 +115,20 @@ def test_decode_tile_ring_for_the_targets_shared_memory(arch, head_dim):
         # The deepest ring with which two CTAs share an SM, at the full key block.
         assert contiguous.block_n == base.block_n
         deeper = dataclasses.replace(contiguous, kv_buffers=contiguous.kv_buffers + 1)
-        assert contiguous.kv_buffers == base.kv_buffers or \
+        assert contiguous.kv_buffers == deepest_shared or \
             2 * (deeper.smem_bytes(head_dim) + reserved) > limit + reserved
     else:
         # No such ring: the deepest one CTA holds, as deep as the paged one (or one deeper).
         assert not any(2 * (dataclasses.replace(base, kv_buffers=b).smem_bytes(head_dim) + reserved) <= limit + reserved
-                       for b in range(tiles.DECODE_MIN_SHARED_RING, base.kv_buffers + 1))
-        assert contiguous.block_n >= paged.block_n and contiguous.kv_buffers >= paged.kv_buffers
+                       for b in range(tiles.DECODE_MIN_SHARED_RING, deepest_shared + 1))
+        assert contiguous.block_n >= paged.block_n and base.kv_buffers >= contiguous.kv_buffers >= paged.kv_buffers
     # H200 at d128: three buffers (100 KB), two CTAs per SM; paged: four (one CTA).
     if (arch, head_dim) == ("sm_90a", 128):
         assert contiguous.kv_buffers == 3 and contiguous.ctas_per_sm(head_dim, 228 * 1024) == 2
         assert paged.kv_buffers == 4 and paged.ctas_per_sm(head_dim, 228 * 1024) == 1
+    # H200 at d64: six buffers of 16 KB, two CTAs per SM (DECODE_MAX_SHARED_RING).
+    if (arch, head_dim) == ("sm_90a", 64):
+        assert contiguous.kv_buffers == 6 and contiguous.ctas_per_sm(head_dim, 228 * 1024) == 2
 
 
 def test_plan_splits():

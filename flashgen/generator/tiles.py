@@ -102,6 +102,11 @@ DECODE_MAX_ROWS = 32
 # four buffers and one CTA per SM measured 0.70x at batch 4 x 8k keys: the clusters of splits do
 # not all fit at once).
 DECODE_MIN_SHARED_RING = 3
+# The deepest ring two decode CTAs per SM take where it fits (deeper than FWD_DECODE_TILE's, which
+# one CTA alone holds): H200 d64 (16 KB a buffer), six buffers against four, us: b128 x 2k keys
+# 128.7 / 137.0 (cuDNN 125.6), b1 x 32k 22.7 / 22.9, b4 x 8k 22.2 / 22.4. One CTA per SM gained
+# nothing from six (d256, paged d128: benchmarks/results/20261130-nvidia-h200-decode-pdl/).
+DECODE_MAX_SHARED_RING = 6
 # Whether paged caches take that ring too (an odd ring: K and V blocks in turn, each block's
 # page-table loads issued after the previous block's V copy; an even one still keeps K and V in
 # pairs) instead of the deepest ring of pairs one CTA holds. H200 (benchmarks/tune_decode.py
@@ -112,16 +117,17 @@ DECODE_PAGED_SHARED_RING = False
 
 
 def decode_tile(arch: str, head_dim: int, paged: bool = False) -> FwdTile:
-    """FWD_DECODE_TILE's ring for the target. Contiguous caches take the deepest ring of at least
-    DECODE_MIN_SHARED_RING buffers with which two CTAs share an SM. Otherwise (and for paged caches,
-    whose instances keep K and V of a block together, in pairs of buffers) the deepest ring one CTA
-    holds: copies in flight matter more than block size, so the key block is halved (each warp
-    keeping >= 16 keys) before the ring is cut below four buffers."""
+    """FWD_DECODE_TILE's ring for the target. Contiguous caches take the deepest ring of
+    DECODE_MIN_SHARED_RING to DECODE_MAX_SHARED_RING buffers with which two CTAs share an SM.
+    Otherwise (and for paged caches, whose instances keep K and V of a block together, in pairs of
+    buffers) the deepest ring of up to FWD_DECODE_TILE's buffers one CTA holds: copies in flight
+    matter more than block size, so the key block is halved (each warp keeping >= 16 keys) before
+    the ring is cut below four buffers."""
     base = FWD_DECODE_TILE
     limit = smem_limit(arch)
     if not paged or DECODE_PAGED_SHARED_RING:
         pair_limit = (limit + SMEM_PER_CTA_RESERVED) // 2 - SMEM_PER_CTA_RESERVED
-        for buffers in range(base.kv_buffers, DECODE_MIN_SHARED_RING - 1, -1):
+        for buffers in range(max(base.kv_buffers, DECODE_MAX_SHARED_RING), DECODE_MIN_SHARED_RING - 1, -1):
             tile = dataclasses.replace(base, kv_buffers=buffers)
             if tile.smem_bytes(head_dim) <= pair_limit:
                 return tile
