@@ -93,7 +93,10 @@ MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measure
 # anything, for its completion; the launch latency between the two kernels is hidden. Only for
 # grids of at most DECODE_DEPENDENT_MAX_SM_SHARE of the SMs, or of more CTAs than the SMs hold at
 # once: a grid of about one CTA per SM, scheduled while the previous kernel still holds a CTA slot
-# of most SMs, is not spread one per SM.
+# of most SMs, is not spread one per SM. H200, 32/8 heads, d128, back-to-back steps
+# (tune_decode.py --rounds 3, us, dependent / plain): b1 x 8k 14.5 / 15.2, b1 x 16k 23.6 / 24.4,
+# b128 x 2k 243.9 / 244.7; dependent at about one CTA per SM: b16 x 2k 41.3 / 35.0, b4 x 4k
+# 26.4 / 22.0, b8 x 32k 251.8 / 241.1 (benchmarks/results/20261130-nvidia-h200-decode-pdl/).
 DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
 DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
