@@ -286,7 +286,7 @@ def plan_fwd(
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
     merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_merge(num_splits)
-    ctas = m_blocks * heads * batch * num_splits
+    ctas = grid[0] * grid[1] * grid[2]
     dependent = decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH and (
         ctas <= DECODE_DEPENDENT_MAX_SM_SHARE * device.num_sms or ctas > cta_slots)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent)
