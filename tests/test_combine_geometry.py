@@ -79,13 +79,15 @@ def log2_ceil(x: int) -> int:
 
 def device_geometry(rows: int, num_splits: int, head_dim: int, grid_x: int) -> dict:
     """combine_rows' geometry, written out in Python (keep in step with combine.cuh)."""
-    ks = 8 if num_splits > 4 else 4 if num_splits > 2 else 2 if num_splits > 1 else 1
-    kc = LOADS // ks
+    few = 4 if num_splits > 2 else 2 if num_splits > 1 else 1  # num_splits <= 4: all of them, kc chunks
+    kc = 1 if num_splits > 4 else LOADS // few
     chunks = head_dim // 4
     log_c = min(log2_ceil(-(-chunks // kc)), log2_ceil(MAX_COL_THREADS))
     rows_per_cta = -(-rows // grid_x)
     log_r = log2_ceil(min(rows_per_cta, THREADS >> log_c))
     log_g = log2_ceil(THREADS) - log_c - log_r
+    # More splits: the fewest power-of-two slots (<= 8) that hold a split group's share.
+    ks = min(LOADS, 1 << log2_ceil(-(-num_splits >> log_g))) if num_splits > 4 else few
     return dict(ks=ks, kc=kc, chunks=chunks, C=1 << log_c, R=1 << log_r, G=1 << log_g, rows_per_cta=rows_per_cta)
 
 
@@ -158,23 +160,26 @@ def test_grid_covers_every_row_split_and_chunk_once(monkeypatch, num_splits, bat
 
 @pytest.mark.parametrize("num_splits, batch, nheads, head_dim, expect", [
     # decode (batch 1, 32 heads, 29 splits): a CTA per row, 8 split groups, <= 4 splits per thread
-    (29, 1, 32, 128, dict(grid=32, R=1, G=8, C=32)),
-    (29, 1, 32, 256, dict(grid=32, R=1, G=4, C=64)),
-    (64, 1, 32, 128, dict(grid=32, R=1, G=8, C=32)),
+    # in as many load slots (ks; 16 splits: 2 over 8 groups at d128, 1 over 16 at d64)
+    (29, 1, 32, 128, dict(grid=32, R=1, G=8, C=32, ks=4)),
+    (29, 1, 32, 256, dict(grid=32, R=1, G=4, C=64, ks=8)),
+    (16, 1, 32, 128, dict(grid=32, R=1, G=8, C=32, ks=2)),
+    (16, 1, 32, 64, dict(grid=32, R=1, G=16, C=16, ks=1)),
+    (64, 1, 32, 128, dict(grid=32, R=1, G=8, C=32, ks=8)),
     # large (batch 128 x 32 heads x 8 splits): one split group per row, 8 rows per CTA
-    (8, 128, 32, 128, dict(grid=512, R=8, G=1, C=32)),
-    (8, 128, 32, 256, dict(grid=1024, R=4, G=1, C=64)),
+    (8, 128, 32, 128, dict(grid=512, R=8, G=1, C=32, ks=8)),
+    (8, 128, 32, 256, dict(grid=1024, R=4, G=1, C=64, ks=8)),
     # few splits: each thread takes 4 column chunks of both splits; rows spread over all SMs
     # (group 1 idles: 256 CTAs of 16 rows rather than 128 of 32)
-    (2, 128, 32, 128, dict(grid=256, R=16, G=2, C=8)),
-    (2, 256, 32, 128, dict(grid=256, R=32, G=1, C=8)),
+    (2, 128, 32, 128, dict(grid=256, R=16, G=2, C=8, ks=2)),
+    (2, 256, 32, 128, dict(grid=256, R=32, G=1, C=8, ks=2)),
 ])
 def test_decode_and_large_shapes_take_one_batch_of_loads(monkeypatch, num_splits, batch, nheads, head_dim, expect):
     """One batch per thread is one global round trip: every load of it is in flight at once."""
     _, grid = launch(monkeypatch, num_splits=num_splits, batch=batch, seqlen=1, nheads=nheads, head_dim=head_dim)
     rows = batch * nheads
     geo = device_geometry(rows, num_splits, head_dim, grid[0])
-    assert dict(grid=grid[0], R=geo["R"], G=geo["G"], C=geo["C"]) == expect
+    assert dict(grid=grid[0], R=geo["R"], G=geo["G"], C=geo["C"], ks=geo["ks"]) == expect
     for tid in range(THREADS):
         for *_, batches in thread_work(geo, num_splits, 0, tid, rows):
             assert batches <= 1
@@ -355,7 +360,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 HOST_CASES = [
     # (num_splits, batch, seqlen, nheads, head_dim, out dtype, strided, num_sms, forced grid)
-    (29, 1, 1, 32, 128, torch.bfloat16, False, 132, None),  # decode
+    (29, 1, 1, 32, 128, torch.bfloat16, False, 132, None),  # decode: 4 splits per group
+    (16, 1, 1, 32, 128, torch.bfloat16, False, 132, None),  # decode: 2 splits per group
+    (16, 1, 1, 32, 64, torch.float16, True, 132, None),     # decode: 1 split per group
     (1, 2, 3, 5, 64, torch.float32, False, 132, None),
     (2, 2, 3, 5, 72, torch.float16, True, 132, None),
     (3, 2, 3, 5, 12, torch.bfloat16, True, 2, None),

@@ -15,12 +15,13 @@
 //
 // Geometry: a CTA of kCombineThreads threads is R rows x G split groups x C column threads, all
 // powers of two. C covers the head dim in float4 chunks (each thread kKc chunks, strided by C); the
-// splits of a row are dealt round-robin to its G groups (each thread kKs splits per batch). kKs is
-// min(8, next_pow2(num_splits)) and kKc = 8 / kKs: few splits (<= 4) give a thread several column
-// chunks of all of them instead, so it still has 8 loads in flight, and only group 0 works. R comes from the grid, the host's only knob (see
-// launch_combine in flashgen/runtime/interface.py): a CTA takes ceil(rows / gridDim.x) consecutive
-// rows, R = min(next_pow2 of that, threads / C) at a time, and G = threads / (R * C). Few rows per
-// CTA -> many split groups per row. Any grid is correct; the host picks R for speed.
+// splits of a row are dealt round-robin to its G groups (each thread kKs splits per batch). With
+// more than 4 splits kKc = 1 and kKs = min(8, next_pow2(ceil(num_splits / G))); few splits (<= 4)
+// give a thread kKc = 8 / kKs column chunks of all of them instead (kKs = next_pow2(num_splits)), so
+// it still has 8 loads in flight, and only group 0 works. R comes from the grid, the host's only
+// knob (see launch_combine in flashgen/runtime/interface.py): a CTA takes ceil(rows / gridDim.x)
+// consecutive rows, R = min(next_pow2 of that, threads / C) at a time, and G = threads / (R * C).
+// Few rows per CTA -> many split groups per row. Any grid is correct; the host picks R for speed.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -167,17 +168,30 @@ __device__ __forceinline__ float batch_weights(float (&w)[kKs], float& m, const 
     return rescale;
 }
 
-template <typename OutT, int kKs>
-__device__ __forceinline__ void combine_rows(const CombineParams& p, CombineSmem& smem) {
-    constexpr int kKc = kCombineLoads / kKs;
+// The CTA's geometry (see the top of the file) for kKc column chunks per thread: uniform over the CTA.
+struct CombineGeometry {
+    int64_t rows, rows_per_cta;
+    int log_c, log_r, log_g;
+};
+
+__device__ __forceinline__ CombineGeometry combine_geometry(const CombineParams& p, int kKc) {
+    CombineGeometry geo;
+    int const chunks = p.head_dim / 4;
+    geo.log_c = min(log2_ceil((chunks + kKc - 1) / kKc), log2_ceil(kCombineMaxColThreads));
+    geo.rows = int64_t(p.batch) * p.seqlen * p.nheads;
+    geo.rows_per_cta = div_nonneg(geo.rows + gridDim.x - 1, gridDim.x);
+    geo.log_r = log2_ceil(int(min(geo.rows_per_cta, int64_t(kCombineThreads >> geo.log_c))));
+    geo.log_g = log2_ceil(kCombineThreads) - geo.log_c - geo.log_r;
+    return geo;
+}
+
+template <typename OutT, int kKs, int kKc>
+__device__ __forceinline__ void combine_rows(const CombineParams& p, CombineSmem& smem, CombineGeometry const& geo) {
+    static_assert(kKs * kKc <= kCombineLoads, "a batch stages at most kCombineLoads chunks a thread");
     int const num_splits = p.num_splits;
     int const chunks = p.head_dim / 4;  // float4 chunks per row
-    // Geometry (see the top of the file). Everything but (r, g, c) is uniform over the CTA.
-    int const log_c = min(log2_ceil((chunks + kKc - 1) / kKc), log2_ceil(kCombineMaxColThreads));
-    int64_t const rows = int64_t(p.batch) * p.seqlen * p.nheads;
-    int64_t const rows_per_cta = div_nonneg(rows + gridDim.x - 1, gridDim.x);
-    int const log_r = log2_ceil(int(min(rows_per_cta, int64_t(kCombineThreads >> log_c))));
-    int const log_g = log2_ceil(kCombineThreads) - log_c - log_r;
+    int const log_c = geo.log_c, log_r = geo.log_r, log_g = geo.log_g;
+    int64_t const rows = geo.rows, rows_per_cta = geo.rows_per_cta;
     int const C = 1 << log_c, R = 1 << log_r, G = 1 << log_g;
     int const tid = threadIdx.x;
     int const c = tid & (C - 1);
@@ -213,8 +227,8 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, CombineSmem
             float m = -kInfinity;  // running max of this thread's splits' lse
             float sum = 0.f;       // sum of exp(lse - m) over them
             if constexpr (kKc > 1) {
-                // num_splits <= kKs: one batch of all the splits, in group 0; each chunk is stored as
-                // soon as it is summed.
+                // num_splits <= kKs <= 4: one batch of all the splits, in group 0; each chunk is
+                // stored as soon as it is summed.
                 if (row_ok && g == 0) {
                     issue_batch<kKs, kKc>(stage_lse, stage_o, p, lse_in, o_in, 0, 1, chunk0 + c, C, chunks);
                     float w[kKs];
@@ -234,8 +248,8 @@ __device__ __forceinline__ void combine_rows(const CombineParams& p, CombineSmem
                     }
                 }
             } else {
-                // Thread (g, c) takes splits g, g + G, g + 2 * G, ..., 8 per batch: one batch unless
-                // num_splits > 8 * G.
+                // Thread (g, c) takes splits g, g + G, g + 2 * G, ..., kKs per batch: one batch
+                // unless num_splits > kKs * G.
                 float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
                 int const split_end = row_ok ? num_splits : 0;
                 for (int s0 = g; s0 < split_end; s0 += G * kKs) {
@@ -300,13 +314,27 @@ __device__ __forceinline__ void combine_splits(const CombineParams& p) {
     // slower (H200, b4 x 32k keys: 143 against 123 us; presumably CTAs doubled up on some SMs).
     int const num_splits = p.num_splits;
     if (num_splits > 4) {
-        combine_rows<OutT, 8>(p, smem);
+        // One column chunk of kKs splits a batch, kKs the fewest slots (a power of two, <= 8) that
+        // hold a split group's share: unused slots would still cost their address arithmetic and
+        // predicated loads, on the decode step's critical path (d128, 16 splits over 8 groups: 2;
+        // H200, 32/8 heads, tune_decode.py: b2 x 16k 38.7 -> 37.8 us, d64 b1 x 32k 22.9 -> 22.2).
+        CombineGeometry const geo = combine_geometry(p, 1);
+        int const per_group = (num_splits + (1 << geo.log_g) - 1) >> geo.log_g;
+        if (per_group > 4) {
+            combine_rows<OutT, 8, 1>(p, smem, geo);
+        } else if (per_group > 2) {
+            combine_rows<OutT, 4, 1>(p, smem, geo);
+        } else if (per_group > 1) {
+            combine_rows<OutT, 2, 1>(p, smem, geo);
+        } else {
+            combine_rows<OutT, 1, 1>(p, smem, geo);
+        }
     } else if (num_splits > 2) {
-        combine_rows<OutT, 4>(p, smem);
+        combine_rows<OutT, 4, 2>(p, smem, combine_geometry(p, 2));
     } else if (num_splits > 1) {
-        combine_rows<OutT, 2>(p, smem);
+        combine_rows<OutT, 2, 4>(p, smem, combine_geometry(p, 4));
     } else {
-        combine_rows<OutT, 1>(p, smem);
+        combine_rows<OutT, 1, 8>(p, smem, combine_geometry(p, 8));
     }
 }
 
