@@ -34,6 +34,7 @@ def test_resolve_full_quick_and_overrides():
 def test_parse_layout_and_heads():
     assert settings.parse_layout("contiguous") is None
     assert settings.parse_layout("paged16") == 16
+    assert settings.parse_layout("hnd") is None
     assert settings.parse_heads("64/8") == (64, 8)
     for bad in ("paged0", "paged", "pages16", "blocked"):
         with pytest.raises(ValueError, match="layout"):
@@ -266,6 +267,20 @@ def test_sdpa_decode_without_enable_gqa_repeats_the_heads_and_says_so(monkeypatc
     assert entry["us"] == 10.0 and entry["note"].startswith("K/V heads repeated 2x before the call")
     assert f"decode: sdpa-math at {report.decode_label(config)}: K/V heads repeated" in "\n".join(
         report.notes(canned_results(decode=[row])))
+
+
+def test_decode_hnd_layout_is_sdpas_memory_in_flash_attns_shape():
+    config = {**DECODE, "seqlen_q": 1, "causal": False, "layout": "hnd", "page_size": None}
+    x = suites.decode_inputs(config, "cpu", torch.Generator().manual_seed(0), torch.Generator())
+    batch, context, nheads_k, head_dim = x.k_cache.shape
+    assert (batch, context, nheads_k, head_dim) == (config["batch"], config["context"], config["nheads_k"],
+                                                    config["head_dim"])
+    for cache in (x.k_cache, x.v_cache):  # each head's keys one contiguous run
+        assert cache.stride() == (nheads_k * context * head_dim, head_dim, context * head_dim, 1)
+        assert cache.transpose(1, 2).is_contiguous()
+    sdpa = peers.sdpa_impl("sdpa-math", "MATH")
+    ref = kvcache_ref(x.q, x.k_cache, x.v_cache, cache_seqlens=x.cache_seqlens).out
+    assert suites.check_close(sdpa.decode(x)(), ref, "ref")["ok"]
 
 
 def test_decode_graph_is_the_headline_for_short_calls_and_graph_failures_are_notes():

@@ -91,12 +91,14 @@ def resolve(quick: bool = False, **given) -> Settings:
 
 
 def parse_layout(text: str) -> int | None:
-    """"contiguous" -> None, "pagedN" -> page size N."""
-    if text == "contiguous":
+    """"contiguous" or "hnd" -> None, "pagedN" -> page size N. "contiguous" is flash_attn's cache,
+    (batch, seqlen, heads, d); "hnd" holds the same view over memory laid out (batch, heads, seqlen,
+    d), SDPA's layout, in which each head's keys are one contiguous run."""
+    if text in ("contiguous", "hnd"):
         return None
     if text.startswith("paged") and text[5:].isdigit() and int(text[5:]) >= 1:
         return int(text[5:])
-    raise ValueError(f"{text!r} is not a layout: use contiguous or pagedN (N >= 1 keys per page, e.g. paged16)")
+    raise ValueError(f"{text!r} is not a layout: use contiguous, hnd or pagedN (N >= 1 keys per page, e.g. paged16)")
 
 
 def parse_heads(text: str) -> tuple[int, int]:

@@ -203,6 +203,11 @@ def decode_inputs(config: dict, device, generator, table_generator) -> DecodeInp
     def randn(*shape):
         return torch.randn(shape, device=device, dtype=dtype, generator=generator)
 
+    def cache(shape):
+        if config["layout"] == "hnd":  # SDPA's memory layout, passed as flash_attn's (strided) view
+            return randn(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+        return randn(*shape)
+
     if page_size is None:
         cache_shape, table = (batch, context, nheads_k, head_dim), None
     else:
@@ -212,7 +217,7 @@ def decode_inputs(config: dict, device, generator, table_generator) -> DecodeInp
         table = random_block_table(batch, pages, batch * pages, generator=table_generator, device=device)
     q = randn(batch, config["seqlen_q"], config["nheads"], head_dim)
     seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return DecodeInputs(q, randn(*cache_shape), randn(*cache_shape), seqlens, table, config["causal"])
+    return DecodeInputs(q, cache(cache_shape), cache(cache_shape), seqlens, table, config["causal"])
 
 
 def _decode_reference(out: torch.Tensor, x: DecodeInputs):

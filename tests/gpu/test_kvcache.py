@@ -86,6 +86,7 @@ class Case:
     nan_outside_valid: bool = False        # cache positions no batch element may read hold NaN
     num_splits: int = 0
     pack_gqa: bool | None = None
+    heads_first: bool = False              # caches in (.., heads, positions, d) memory, passed transposed
 
 
 def case(case_id: str, **fields):
@@ -142,6 +143,10 @@ def make_kwargs(c: Case) -> dict:
         kwargs["k_cache"], kwargs["v_cache"] = (
             paged_kv_from_contiguous(cache, table, num_blocks, c.page_size) for cache in (k_cache, v_cache)
         )
+    if c.heads_first:  # SDPA's memory layout: each head's positions one run, seen through flash_attn's view
+        for name in ("k_cache", "v_cache"):
+            kwargs[name] = kwargs[name].transpose(1, 2).contiguous().transpose(1, 2)
+            assert kwargs[name].stride(1) == c.head_dim
     return kwargs
 
 
@@ -290,6 +295,18 @@ def test_kvcache_masks_softcap_alibi(c):
 ])
 def test_kvcache_heads_and_head_dims(c):
     check_kvcache(make_kwargs(c))
+
+
+@pytest.mark.parametrize("c", [
+    case("d96-gqa32_8-new3", head_dim=96, nheads=32, nheads_k=8, seqlen_q=3, seqlen_new=3),
+    case("d64-mqa8_1-page16-rotary", head_dim=64, nheads_k=1, page_size=16, rotary_fraction=0.5),
+    case("d128-gqa32_8-split3-leftpad", nheads=32, nheads_k=8, num_splits=3, leftpad=True, capacity=1000),
+    case("d256-mha8_8-page17-nonew", head_dim=256, nheads_k=8, page_size=17, seqlen_new=0),
+])
+def test_kvcache_heads_first_cache(c):
+    """Caches stored heads-first (SDPA's layout), a strided view in flash_attn's shape: reads and
+    the append follow the strides."""
+    check_kvcache(make_kwargs(dataclasses.replace(c, heads_first=True)))
 
 
 @pytest.mark.parametrize("c", [
