@@ -11,6 +11,7 @@ With --rounds N every candidate is measured N times in turn (cuDNN before and af
 and the summary gives medians.
 """
 import argparse
+import os
 import statistics
 
 from flashgen.bench import peers, suites, timing
@@ -37,9 +38,12 @@ SHAPES = {  # name -> (batch, keys, query tokens)
     "b2-s32k": (2, 32768, 1),
     "b1-s128k": (1, 131072, 1),
     "b2-s128k": (2, 131072, 1),
+    "b8-s8k": (8, 8192, 1),
     "b4-s128k": (4, 131072, 1),
     "b32-s4k": (32, 4096, 1),
     "b32-s8k": (32, 8192, 1),
+    "b32-s32k": (32, 32768, 1),
+    "b128-s8k": (128, 8192, 1),
     "b128-s2k": (128, 2048, 1),
     "b8-s8k-q8": (8, 8192, 8),  # speculative decoding: 8 tokens x 4 heads = 32 packed rows
 }
@@ -60,6 +64,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #               (dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS)
 #   nofill      the split heuristic's count as is (dispatch.DECODE_FILL_WAVE)
 #   fill<N>     the wave filled while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS)
+#   -D<NAME>=<V> an NVRTC define for the candidate's kernels (FLASHGEN_NVRTC_EXTRA_OPTIONS)
 # The knobs each option sets, restored before every candidate and at the end.
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),
          (tiles, "DECODE_PAGED_SHARED_RING"),
@@ -87,6 +92,9 @@ def apply_options(options: tuple[str, ...]) -> None:
                                  ("fill", dispatch, "DECODE_FILL_MIN_BLOCKS")):
         if number(prefix) is not None:
             setattr(module, name, number(prefix))
+    defines = [o for o in options if o.startswith("-D")]
+    if defines:
+        os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(defines)
     if "solo" in options:  # no shared ring qualifies
         tiles.DECODE_MIN_SHARED_RING = max(tiles.FWD_DECODE_TILE.kv_buffers, tiles.DECODE_MAX_SHARED_RING) + 1
 
@@ -96,10 +104,11 @@ CANDIDATES = [(16, 128, 4, 4, 4, ()), (16, 128, 4, 4, 4, ("solo",)), (16, 128, 4
               (16, 64, 4, 8, 4, ()), (16, 64, 4, 6, 4, ()), (32, 64, 2, 6, 1, ()), (16, 128, 8, 4, 8, ())]
 
 
-def config(shape: str, page_size: int | None, head_dim: int) -> dict:
+def config(shape: str, page_size: int | None, head_dim: int, hnd: bool = False) -> dict:
     batch, context, seqlen_q = SHAPES[shape]
+    layout = f"paged{page_size}" if page_size else "hnd" if hnd else "contiguous"
     return {"dtype": "bf16", "batch": batch, "seqlen_q": seqlen_q, "context": context, "nheads": 32, "nheads_k": 8,
-            "head_dim": head_dim, "layout": f"paged{page_size}" if page_size else "contiguous", "page_size": page_size,
+            "head_dim": head_dim, "layout": layout, "page_size": page_size,
             "causal": seqlen_q > 1}
 
 
@@ -116,6 +125,7 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/OPTION...]",
                         help="candidates to try instead of the built-in list, e.g. 16x64/4/4/6/nofill")
     parser.add_argument("--page-size", type=int, default=None, help="a paged cache of this page size")
+    parser.add_argument("--hnd", action="store_true", help="a contiguous cache in heads-first memory (bench layout hnd)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="measure every candidate this many times, in turn")
     args = parser.parse_args()
@@ -133,10 +143,15 @@ def main() -> None:
     print(f"{env['gpu']}: copy ceiling {ceilings['copy_tbps']:.2f} TB/s")
     cudnn, flashgen = peers.sdpa_impl("sdpa-cudnn", "CUDNN_ATTENTION"), peers.flashgen_impl()
     saved = {(module, name): getattr(module, name) for module, name in KNOBS}
+    saved_extra_options = os.environ.get("FLASHGEN_NVRTC_EXTRA_OPTIONS")
 
     def restore() -> None:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+        if saved_extra_options is None:
+            os.environ.pop("FLASHGEN_NVRTC_EXTRA_OPTIONS", None)
+        else:
+            os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = saved_extra_options
         launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
         cache._cubins.clear()
         dispatch.plan_fwd.cache_clear()
@@ -145,7 +160,7 @@ def main() -> None:
 
     def measure(label: str, impl) -> None:
         for shape in args.shapes:
-            row = suites.decode_row(config(shape, args.page_size, args.head_dim), [impl], timers, ceilings, "cuda",
+            row = suites.decode_row(config(shape, args.page_size, args.head_dim, args.hnd), [impl], timers, ceilings, "cuda",
                                     float("inf"))
             entry = row["impls"][impl.name]
             if row["check"] is not None and not row["check"]["ok"]:
