@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", metavar="MxN/WARPS/WARPS_N/BUFFERS[/OPTION...]",
                         help="candidates to try instead of the built-in list, e.g. 16x64/4/4/6/nofill")
     parser.add_argument("--page-size", type=int, default=None, help="a paged cache of this page size")
-    parser.add_argument("--hnd", action="store_true", help="a contiguous cache in heads-first memory (bench layout hnd)")
+    parser.add_argument("--hnd", action="store_true",
+                        help="a contiguous cache in heads-first memory (bench layout hnd)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="measure every candidate this many times, in turn")
     args = parser.parse_args()
@@ -160,8 +161,8 @@ def main() -> None:
 
     def measure(label: str, impl) -> None:
         for shape in args.shapes:
-            row = suites.decode_row(config(shape, args.page_size, args.head_dim, args.hnd), [impl], timers, ceilings, "cuda",
-                                    float("inf"))
+            shape_config = config(shape, args.page_size, args.head_dim, args.hnd)
+            row = suites.decode_row(shape_config, [impl], timers, ceilings, "cuda", float("inf"))
             entry = row["impls"][impl.name]
             if row["check"] is not None and not row["check"]["ok"]:
                 entry = {"skipped": f"output check failed: {row['check']}"}

@@ -516,7 +516,8 @@ def _defaults(field: str) -> str:
 @_list_option("--query-lens", _positive_int, "decode: new tokens per sequence." + _defaults("query_lens"))
 @_list_option("--contexts", _positive_int, "decode: keys in the cache." + _defaults("contexts"))
 @_list_option("--batches", _positive_int, "decode: batch sizes." + _defaults("batches"))
-@_list_option("--layouts", _layout, "decode: contiguous, hnd (heads-first memory, SDPA's), pagedN (N keys per page)." + _defaults("layouts"))
+@_list_option("--layouts", _layout,
+              "decode: contiguous, hnd (heads-first memory, SDPA's), pagedN (N keys per page)." + _defaults("layouts"))
 @_list_option("--heads", bench_settings.parse_heads, "decode: query/KV heads." + _defaults("heads"), metavar="Q/KV,...")
 @_list_option("--decode-head-dims", _positive_int, "decode: head dims." + _defaults("decode_head_dims"))
 @click.option("--max-kv-gib", type=click.FloatRange(min=0),

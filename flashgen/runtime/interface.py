@@ -135,9 +135,10 @@ def _combine_geometry(num_splits: int, rows: int, head_dim: int, num_sms: int):
     any grid is correct. A CTA of `threads` (kCombineThreads) is R rows x G split groups x C column
     threads; the grid sets R, and with it G = threads / (R * C). Each thread has up to 8 partial
     float4s in flight per batch (kCombineLoads): up to 8 splits (its group's share) of one chunk
-    when num_splits > 4, else 8 / 2**ceil(log2(splits)) chunks of every split. Pick R so that one batch covers the splits
-    (G >= splits / 8), and, when rows are few, so that they spread over the SMs: at decode every
-    row then gets a whole CTA and the combine costs about one global round trip."""
+    when num_splits > 4, else 8 / 2**ceil(log2(splits)) chunks of every split. Pick R so that one
+    batch covers the splits (G >= splits / 8), and, when rows are few, so that they spread over the
+    SMs: at decode every row then gets a whole CTA and the combine costs about one global round
+    trip."""
     threads = 256  # kCombineThreads
     chunks_per_thread = 1 if num_splits > 4 else 8 >> (num_splits - 1).bit_length()  # kKc
     col_threads = min(1 << max(-(-(head_dim // 4) // chunks_per_thread) - 1, 0).bit_length(), 64)  # C
