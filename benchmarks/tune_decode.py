@@ -64,6 +64,10 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #               (dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS)
 #   nofill      the split heuristic's count as is (dispatch.DECODE_FILL_WAVE)
 #   fill<N>     the wave filled while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS)
+#   pairs       two adjacent KV heads per CTA at d64/d96/d128 and any grid (dispatch.DECODE_PAIRED_HEAD_DIMS,
+#               DECODE_PAIR_MIN_SM_SHARE); heads-first memory never pairs
+#   nopairs     one KV head per CTA
+#   pairs<P>    pairs where the paired grid has at least P% of the SMs' count in tiles
 #   -D<NAME>=<V> an NVRTC define for the candidate's kernels (FLASHGEN_NVRTC_EXTRA_OPTIONS)
 # The knobs each option sets, restored before every candidate and at the end.
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),
@@ -71,7 +75,8 @@ KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, 
          (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
          (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
          (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH"),
-         (dispatch, "DECODE_DEPENDENT_MAX_SM_SHARE")]
+         (dispatch, "DECODE_DEPENDENT_MAX_SM_SHARE"), (dispatch, "DECODE_PAIRED_HEAD_DIMS"),
+         (dispatch, "DECODE_PAIR_MIN_SM_SHARE")]
 
 
 def apply_options(options: tuple[str, ...]) -> None:
@@ -85,6 +90,12 @@ def apply_options(options: tuple[str, ...]) -> None:
     if "pdlany" in options:
         dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = float("inf")
     dispatch.DECODE_FILL_WAVE &= "nofill" not in options
+    if "pairs" in options:
+        dispatch.DECODE_PAIRED_HEAD_DIMS, dispatch.DECODE_PAIR_MIN_SM_SHARE = frozenset({64, 96, 128}), 0
+    if number("pairs") is not None:
+        dispatch.DECODE_PAIR_MIN_SM_SHARE = number("pairs") / 100
+    if "nopairs" in options:
+        dispatch.DECODE_PAIRED_HEAD_DIMS = frozenset()
     for prefix, module, name in (("shared", tiles, "DECODE_MAX_SHARED_RING"),
                                  ("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
                                  ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),

@@ -53,7 +53,8 @@ struct FwdParams {
     int head_dim;  // actual head dim (<= the instance's), a multiple of 8
     int window_left;  // local: keys visible left of the diagonal (>= 0)
     int window_right;  // causal/local: keys visible right of the diagonal (>= 0)
-    FastDivmod qhead_per_khead;  // nheads / nheads_k
+    int kv_head_group;  // KV heads one CTA reads (1, or 2 for decode over adjacent heads: FwdPlan.kv_head_group)
+    FastDivmod qhead_per_khead;  // query heads per CTA head index: nheads / nheads_k * kv_head_group
     FastDivmod page_size;  // rows per page when paged (1 otherwise)
     float scale_log2;  // log2(e) times the scale of the scores the softmax sees
     float softmax_scale;
@@ -63,7 +64,7 @@ struct FwdParams {
     unsigned int dropout_threshold;  // keep a probability iff its random byte < this; 256: no dropout
     float rp_dropout;  // scale of kept probabilities: 256 / dropout_threshold
 };
-static_assert(sizeof(FwdParams) == 376, "Params size drift");
+static_assert(sizeof(FwdParams) == 384, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(FwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(FwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -112,15 +113,16 @@ static_assert(__builtin_offsetof(FwdParams, nheads_k) == 308, "Params layout dri
 static_assert(__builtin_offsetof(FwdParams, head_dim) == 312, "Params layout drift: head_dim");
 static_assert(__builtin_offsetof(FwdParams, window_left) == 316, "Params layout drift: window_left");
 static_assert(__builtin_offsetof(FwdParams, window_right) == 320, "Params layout drift: window_right");
-static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 324, "Params layout drift: qhead_per_khead");
-static_assert(__builtin_offsetof(FwdParams, page_size) == 336, "Params layout drift: page_size");
-static_assert(__builtin_offsetof(FwdParams, scale_log2) == 348, "Params layout drift: scale_log2");
-static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 352, "Params layout drift: softmax_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 356, "Params layout drift: softcap_scale");
-static_assert(__builtin_offsetof(FwdParams, softcap) == 360, "Params layout drift: softcap");
-static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 364, "Params layout drift: alibi_scale");
-static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 368, "Params layout drift: dropout_threshold");
-static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 372, "Params layout drift: rp_dropout");
+static_assert(__builtin_offsetof(FwdParams, kv_head_group) == 324, "Params layout drift: kv_head_group");
+static_assert(__builtin_offsetof(FwdParams, qhead_per_khead) == 328, "Params layout drift: qhead_per_khead");
+static_assert(__builtin_offsetof(FwdParams, page_size) == 340, "Params layout drift: page_size");
+static_assert(__builtin_offsetof(FwdParams, scale_log2) == 352, "Params layout drift: scale_log2");
+static_assert(__builtin_offsetof(FwdParams, softmax_scale) == 356, "Params layout drift: softmax_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap_scale) == 360, "Params layout drift: softcap_scale");
+static_assert(__builtin_offsetof(FwdParams, softcap) == 364, "Params layout drift: softcap");
+static_assert(__builtin_offsetof(FwdParams, alibi_scale) == 368, "Params layout drift: alibi_scale");
+static_assert(__builtin_offsetof(FwdParams, dropout_threshold) == 372, "Params layout drift: dropout_threshold");
+static_assert(__builtin_offsetof(FwdParams, rp_dropout) == 376, "Params layout drift: rp_dropout");
 #endif
 
 struct CombineParams {

@@ -237,6 +237,52 @@ def test_plan_decode_is_a_dependent_launch_on_sm90_only():
         dispatch.plan_fwd.cache_clear()
 
 
+def test_plan_decode_pairs_adjacent_kv_heads(monkeypatch):
+    """Decode over adjacent KV heads at the head dims of DECODE_PAIRED_HEAD_DIMS reads two heads per
+    CTA on the instance of twice the head dim (half the grid's heads, packed rows of both), for grids
+    of DECODE_PAIR_MIN_SM_SHARE of the SMs; every condition it needs is checked."""
+    from flashgen.runtime import dispatch
+
+    # The default: d64 and d96, from 66 paired tiles on 132 SMs (32 x 8 KV heads, not 16 x 8).
+    assert dispatch.DECODE_PAIRED_HEAD_DIMS == {64, 96} and dispatch.DECODE_PAIR_MIN_SM_SHARE == 0.5
+    dispatch.plan_fwd.cache_clear()
+    try:
+        large = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True)
+        assert plan(head_dim=96, **{**large, "batch": 32}).kv_head_group == 2
+        assert plan(head_dim=64, **{**large, "batch": 32}).kv_head_group == 2
+        assert plan(head_dim=128, **{**large, "batch": 32}).kv_head_group == 1
+        assert plan(head_dim=96, **{**large, "batch": 16}).kv_head_group == 1
+        monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset({64, 96, 128}))
+        monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
+        dispatch.plan_fwd.cache_clear()
+        decode = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True)
+        for head_dim in (64, 96, 128):
+            p = plan(head_dim=head_dim, **decode)
+            single = plan(head_dim=head_dim, **{**decode, "kv_heads_adjacent": False})
+            assert p.kv_head_group == 2 and single.kv_head_group == 1
+            assert p.spec.head_dim == 2 * head_dim and p.spec.decode and p.spec.pack_gqa and is_in_matrix(p.spec)
+            assert p.grid[1] == 4 and single.grid[1] == 8
+        paged = plan(head_dim=96, paged=True, page_size=16, **decode)
+        assert paged.kv_head_group == 2 and paged.spec.paged and paged.spec.head_dim == 192
+        # MHA packs its pairs (two rows per tile); causal rows of two query tokens still fit a block.
+        mha = plan(head_dim=96, **{**decode, "nheads": 8, "nheads_k": 8})
+        assert mha.kv_head_group == 2 and mha.spec.pack_gqa and mha.grid[1] == 4
+        assert plan(head_dim=128, causal=True, **{**decode, "seqlen_q": 2}).kv_head_group == 2
+        # Not: another head dim, an odd KV head count, rows of two heads past one decode row block,
+        # pack_gqa=False, heads-first memory, prefill.
+        assert plan(head_dim=80, **decode).kv_head_group == 1
+        assert plan(head_dim=256, **decode).kv_head_group == 1
+        assert plan(head_dim=96, **{**decode, "nheads": 24, "nheads_k": 3}).kv_head_group == 1
+        assert plan(head_dim=96, **{**decode, "seqlen_q": 3}).kv_head_group == 1  # 24 rows
+        assert plan(head_dim=96, pack_gqa=False, **decode).kv_head_group == 1
+        assert plan(head_dim=96, **{**decode, "seqlen_q": 512}).kv_head_group == 1
+        monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset())
+        dispatch.plan_fwd.cache_clear()
+        assert plan(head_dim=96, **decode).kv_head_group == 1
+    finally:
+        dispatch.plan_fwd.cache_clear()
+
+
 def test_plan_paged_forces_packing():
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.pack_gqa
     assert plan(nheads=32, nheads_k=8, seqlen_q=4096, paged=True).spec.paged

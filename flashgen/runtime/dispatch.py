@@ -9,7 +9,7 @@ import logging
 
 from ..generator import matrix
 from ..generator.spec import HEAD_DIMS, KernelSpec
-from ..generator.tiles import DECODE_MAX_ROWS, SM90_BLOCK_M, FwdTile, fwd_tile
+from ..generator.tiles import DECODE_MAX_ROWS, FWD_DECODE_TILE, SM90_BLOCK_M, FwdTile, fwd_tile
 from . import heuristics
 
 logger = logging.getLogger("flashgen")
@@ -41,6 +41,9 @@ class FwdPlan:
     # Launched as a programmatic dependent of the kernel before it on the stream (decode on sm_90+,
     # DECODE_DEPENDENT_LAUNCH): its CTAs wait in griddepcontrol.wait for that kernel's end.
     dependent_launch: bool = False
+    # KV heads each CTA reads: 2 for decode over pairs of adjacent heads (DECODE_PAIRED_HEAD_DIMS),
+    # on the instance of twice the head dim; the grid's heads are then nheads_k / 2.
+    kv_head_group: int = 1
 
     @property
     def smem_bytes(self) -> int:
@@ -99,6 +102,14 @@ MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measure
 # 26.4 / 22.0, b8 x 32k 251.8 / 241.1 (benchmarks/results/20261130-nvidia-h200-decode-pdl/).
 DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
 DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
+# Decode whose K/V heads are adjacent in memory (head stride = head_dim, flash_attn's (..., nheads_k, d)
+# layout) reads two heads per CTA at these head dims (FwdPlan.kv_head_group, fwd_sm80.cuh): a key's
+# two rows are then one run of 2 x head_dim elements, read by the instance of twice the head dim,
+# and d96's 192-byte rows no longer share a 128-byte line between two CTAs. Only for grids of at
+# least DECODE_PAIR_MIN_SM_SHARE x SMs paired tiles: smaller ones need twice the splits for the same
+# CTAs, and lose.
+DECODE_PAIRED_HEAD_DIMS: frozenset[int] = frozenset({64, 96})
+DECODE_PAIR_MIN_SM_SHARE = 0.5
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -184,6 +195,7 @@ def plan_fwd(
     sm90: bool = False,
     page_size: int = 0,
     leftpad: bool = False,
+    kv_heads_adjacent: bool = False,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
@@ -196,6 +208,8 @@ def plan_fwd(
     ``page_size``, ``leftpad``: a paged cache's rows per page and whether keys start past a left
     pad (the sm90 forward's TMA takes pages of whole key blocks without a left pad; the rest its
     gather instances);
+    ``kv_heads_adjacent``: K's and V's heads are head_dim elements apart (decode may then read
+    two per CTA: DECODE_PAIRED_HEAD_DIMS);
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
@@ -241,8 +255,17 @@ def plan_fwd(
         )
         if sm90_plan is not None:
             return sm90_plan
+    # Decode over pairs of adjacent KV heads: the packed rows of both fit one decode row block.
+    kv_head_group = 2 if (
+        decode and kv_heads_adjacent and head_dim in DECODE_PAIRED_HEAD_DIMS and 2 * head_dim in HEAD_DIMS
+        and nheads_k % 2 == 0 and pack_gqa is not False and 2 * seqlen_q * qhead_per_khead <= FWD_DECODE_TILE.block_m
+        and batch * nheads_k // 2 >= DECODE_PAIR_MIN_SM_SHARE * device.num_sms
+    ) else 1
+    if kv_head_group > 1:
+        pack, d_instance = True, kv_head_group * head_dim
+        rows = seqlen_q * qhead_per_khead * kv_head_group
     tile = fwd_tile(family, arch, d_instance, mask, decode, paged=paged)
-    heads = nheads_k if pack else nheads
+    heads = nheads_k // kv_head_group if pack else nheads
     # (Varlen calls keep the combine: it writes the zeros of rows past seqused_q.)
     cluster_merge = MERGE_IN_CLUSTER and decode and cc >= 90 and not varlen
     m_blocks = max(1, -(-rows // tile.block_m))
@@ -263,7 +286,7 @@ def plan_fwd(
         slots = device.num_sms * min(DECODE_SPLIT_CTAS_PER_SM, ctas_per_sm) if decode else cta_slots
         num_splits = heuristics.num_splits_heuristic(
             total_mblocks, slots, n_blocks, m_blocks,
-            seqlen_k * head_dim * 2 * 2, mask != "none", max_splits,
+            seqlen_k * head_dim * kv_head_group * 2 * 2, mask != "none", max_splits,
             l2_bytes=device.l2_bytes,
         )
         if decode and DECODE_FILL_WAVE and num_splits > 1 and total_mblocks * num_splits < slots:
@@ -281,7 +304,7 @@ def plan_fwd(
             nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, varlen_uniform=varlen_uniform, dropout=dropout, sm90=sm90,
-            page_size=page_size, leftpad=leftpad,
+            page_size=page_size, leftpad=leftpad, kv_heads_adjacent=kv_heads_adjacent,
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
@@ -289,7 +312,8 @@ def plan_fwd(
     ctas = grid[0] * grid[1] * grid[2]
     dependent = decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH and (
         ctas <= DECODE_DEPENDENT_MAX_SM_SHARE * device.num_sms or ctas > cta_slots)
-    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent)
+    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent,
+                   kv_head_group)
 
 
 def _plan_fwd_sm90(

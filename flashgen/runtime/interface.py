@@ -243,7 +243,8 @@ def run_fwd(
         num_splits=splits, merge_in_cluster=int(plan.merge_in_cluster),
         nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
         window_left=plan.window_left, window_right=plan.window_right,
-        qhead_per_khead=nheads // nheads_k, page_size=page_size,
+        kv_head_group=plan.kv_head_group, qhead_per_khead=nheads // nheads_k * plan.kv_head_group,
+        page_size=page_size,
         scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
         softmax_scale=softmax_scale,
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
@@ -292,6 +293,7 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
         num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
         # The TMA checks only where an sm90 instance could run (Hopper), not on every call.
         sm90=info.capability[0] == 9 and tma.compatible(q, k, v),
+        kv_heads_adjacent=k.stride(2) == head_dim and v.stride(2) == head_dim,
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)

@@ -71,6 +71,7 @@ def flash_attn_with_kvcache(
         # Python: not on decode steps, whose rows, even packed, fit the decode tile.)
         sm90=info.capability[0] == 9
         and seqlen_q * (nheads // nheads_k) > DECODE_MAX_ROWS and tma.compatible(q, k_cache, v_cache),
+        kv_heads_adjacent=k_cache.stride(2) == head_dim and v_cache.stride(2) == head_dim,
     )
     validate.grid(plan, "k_cache")
 

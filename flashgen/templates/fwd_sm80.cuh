@@ -143,12 +143,33 @@ __device__ __forceinline__ RowPtrs<Copy, T> row_ptrs(int tid, RowPtr row_ptr) {
     return ptrs;
 }
 
+// Every row's columns start at 0 (copy_rows_async's default).
+struct ColumnsFromZero {
+    static constexpr bool kShifted = false;
+    __device__ __forceinline__ int operator()(int) const { return 0; }
+};
+
+// The first column of a packed query row's q when a decode CTA reads kv_head_group adjacent KV
+// heads (flash_fwd_sm80): the g-th head's rows hold their q in columns [g * head_dim, (g + 1) *
+// head_dim). Row r of the tile is packed row row_start + r.
+struct GroupedHeadColumns {
+    static constexpr bool kShifted = true;
+    FastDivmod qhpk;  // query heads per CTA head index
+    int row_start, qheads_per_kv, head_dim;
+    __device__ __forceinline__ int operator()(int r) const {
+        int h_in_group;
+        qhpk.divmod(h_in_group, row_start + r);
+        return h_in_group / qheads_per_kv * head_dim;
+    }
+};
+
 // Copies rows [0, kRows) of a tile into shared memory (at shared address smem, in Layout), each row's
-// address broadcast from the lane that computed it. Rows with a null address, and columns >=
-// head_dim, are zero-filled.
-template <typename Copy, typename Layout, typename T>
+// address broadcast from the lane that computed it. Rows with a null address, and columns outside
+// [first_col(row), first_col(row) + head_dim), are zero-filled (the first column a row's data
+// starts at is 0 unless a FirstCol with kShifted is given).
+template <typename Copy, typename Layout, typename T, typename FirstCol = ColumnsFromZero>
 __device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int tid,
-                                                const RowPtrs<Copy, T>& ptrs) {
+                                                const RowPtrs<Copy, T>& ptrs, FirstCol first_col = {}) {
     int const lane_in_row = tid % Copy::kThreadsPerRow;
     int const row0 = tid / Copy::kThreadsPerRow;
 #pragma unroll
@@ -158,10 +179,12 @@ __device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int
             i % Copy::kThreadsPerRow, Copy::kThreadsPerRow));
         int const row = row0 + i * Copy::kRowsPerPass;
         if (Copy::kRowsExact || row < Copy::kRows) {
+            int const col_begin = FirstCol::kShifted ? first_col(row) : 0;
 #pragma unroll
             for (int j = 0; j < Copy::kColIters; ++j) {
                 int const col = lane_in_row * 8 + j * Copy::kChunkElems;
-                bool const valid = gptr != nullptr && col < head_dim;
+                bool const valid = gptr != nullptr && col < col_begin + head_dim &&
+                                   (!FirstCol::kShifted || col >= col_begin);
                 cp_async_16(smem + Layout::offset(row, col / 8), valid ? gptr + col : gptr, valid);
             }
         }
@@ -433,8 +456,19 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
     int const bidb = int(blockIdx.z) / num_splits;
     int const split = int(blockIdx.z) - bidb * num_splits;
     FastDivmod const qhpk = params.qhead_per_khead;
-    int const bidh_kv = Tr::kPackGQA ? bidh : qhpk.div(bidh);
     int const head_dim = params.head_dim;
+    // Decode over adjacent KV heads may give a CTA kv_head_group = 2 of them (FwdPlan.kv_head_group;
+    // the host takes it only when head_dim is half the instance's). A key's rows of both heads are
+    // then one contiguous row of 2 * head_dim elements, whose 128-byte lines no other CTA reads (two
+    // heads' CTAs each fetched the line d96's 192-byte rows share). The packed query rows are those
+    // of both heads, and a row of the g-th one holds its q in columns [g * head_dim, (g + 1) *
+    // head_dim), zeros elsewhere: it scores against its own head's half of the row, and its O is
+    // that half of P·V, moved to the first head_dim columns before the epilogue.
+    constexpr bool kGroupable = Tr::kDecode && Tr::kPackGQA;
+    int const kv_group = kGroupable ? params.kv_head_group : 1;
+    int const qheads_per_kv = qhpk.divisor / kv_group;
+    int const kv_cols = head_dim * kv_group;  // columns of a K/V row copy
+    int const bidh_kv = Tr::kPackGQA ? bidh * kv_group : qhpk.div(bidh);
 
     const int* block_table = reinterpret_cast<const int*>(params.block_table_ptr);
     const int* cu_seqlens_q = reinterpret_cast<const int*>(params.cu_seqlens_q_ptr);
@@ -469,13 +503,20 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         if constexpr (Tr::kPackGQA) {
             int h_in_group;
             int const m = qhpk.divmod(h_in_group, row);
+            // (Grouped: offset by the row's first column, so that column c reads q[c - first].)
             return q_base + m * params.q_row_stride +
-                   (bidh * qhpk.divisor + h_in_group) * params.q_head_stride;
+                   (bidh * qhpk.divisor + h_in_group) * params.q_head_stride -
+                   (kGroupable ? h_in_group / qheads_per_kv * head_dim : 0);
         } else {
             return q_base + row * params.q_row_stride + bidh * params.q_head_stride;
         }
     });
-    copy_rows_async<QCopy, Smem>(smem_u32(sQ), head_dim, tid, q_ptrs);
+    if constexpr (kGroupable) {
+        copy_rows_async<QCopy, Smem>(smem_u32(sQ), head_dim, tid, q_ptrs,
+                                     GroupedHeadColumns{qhpk, row_start, qheads_per_kv, head_dim});
+    } else {
+        copy_rows_async<QCopy, Smem>(smem_u32(sQ), head_dim, tid, q_ptrs);
+    }
     // K/V rows: key j of this batch element is row leftpad + j of its K/V row, or, when paged,
     // row (leftpad + j) % page_size of page block_table[b][(leftpad + j) / page_size].
     int64_t const kv_row0 = Tr::kPaged ? 0 : int64_t(kv_b) * params.k_batch_stride + leftpad * params.k_row_stride;
@@ -511,11 +552,11 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
         }
     };
     auto load_k = [&](int buffer, int n_block) {  // paged: block n_block must be the one prepared
-        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), head_dim, tid,
+        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
                                       Tr::kPaged ? k_ptrs : kv_row_ptrs(n_block, k_base, 0, params.k_row_stride));
     };
     auto load_v = [&](int buffer, int n_block) {
-        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), head_dim, tid,
+        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
                                       Tr::kPaged ? v_ptrs : kv_row_ptrs(n_block, v_base, 0, params.v_row_stride));
     };
     // Copy 2j + is_v of the ring: K (is_v false) or V of key block n_block_max - 1 - j, into
@@ -799,6 +840,24 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
                                                    theirs[(kMI * 4 + (mi * kDI + di) * 4 + e) * 32] * c_other;
                     }
             }
+        }
+    }
+    if constexpr (kGroupable && kDI % 2 == 0) {
+        if (kv_group == 2) {  // the second head's rows: their O is columns [kHeadDim / 2, kHeadDim)
+#pragma unroll
+            for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    int h_in_group;
+                    qhpk.divmod(h_in_group, row_start + warp_row0 + mi * 16 + lane / 4 + half * 8);
+                    if (h_in_group >= qheads_per_kv) {
+#pragma unroll
+                        for (int di = 0; di < kDI / 2; ++di) {
+                            acc_o[mi][di][2 * half] = acc_o[mi][di + kDI / 2][2 * half];
+                            acc_o[mi][di][2 * half + 1] = acc_o[mi][di + kDI / 2][2 * half + 1];
+                        }
+                    }
+                }
         }
     }
     bool const write_partial = num_splits > 1;

@@ -445,6 +445,74 @@ def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
 
 
 @pytest.mark.parametrize("c", [
+    case("d96-gqa32_8-heuristic", head_dim=96, nheads=32, nheads_k=8, capacity=3000),
+    case("d128-gqa8_2-sq2-page17-leftpad-split3", seqlen_q=2, seqlen_new=2, page_size=17, leftpad=True,
+         num_splits=3, capacity=1000),
+    case("d64-mha8_8-page16-rotary-nonew", head_dim=64, nheads_k=8, page_size=16, rotary_fraction=1.0,
+         rotary_interleaved=True, seqlen_new=0),
+    case("d96-gqa32_8-fp16-page256-softcap-alibi", head_dim=96, nheads=32, nheads_k=8, dtype=torch.float16,
+         page_size=256, softcap=30.0, alibi="bh", capacity=2000),
+    case("d128-gqa16_4-sq2-local17_3-batch_idx", nheads=16, nheads_k=4, seqlen_q=2, seqlen_new=2, causal=False,
+         window_size=(17, 3), batch_idx=True),
+    case("d64-gqa32_8-nonew-empty-nan-split13", head_dim=64, nheads=32, nheads_k=8, seqlen_new=0,
+         empty_element=True, nan_outside_valid=True, num_splits=13, capacity=3000),
+    case("d96-gqa8_2-rotary_half-split8", head_dim=96, rotary_fraction=0.5, num_splits=8, capacity=3000),
+])
+def test_kvcache_paired_kv_heads(c, monkeypatch):
+    """Decode over adjacent KV heads, two per CTA (dispatch.DECODE_PAIRED_HEAD_DIMS, here at any grid
+    size and also at d128): the instance of twice the head dim runs over half the heads, meets the
+    rule, and agrees with one head per CTA."""
+    from flashgen.runtime import dispatch, interface
+
+    launched = []
+    original = interface._launch
+
+    def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
+        launched.append((spec, grid))
+        return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "_launch", spy)
+    kwargs = make_kwargs(c)
+    runs = {}
+    try:
+        for paired in (True, False):
+            monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset({64, 96, 128} if paired else ()))
+            monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)  # any grid
+            dispatch.plan_fwd.cache_clear()
+            launched.clear()
+            runs[paired] = check_kvcache(fresh_caches(kwargs), name=f"out (paired={paired})")
+            (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
+            assert spec.head_dim == c.head_dim * (2 if paired else 1), spec.uri
+            assert grid[1] == (c.nheads_k // 2 if paired else c.nheads_k if spec.pack_gqa else c.nheads), grid
+    finally:
+        dispatch.plan_fwd.cache_clear()  # plans made with the patched rule stay out of the cache
+    assert_agree(runs[True], runs[False], name="two KV heads per CTA vs one")
+
+
+def test_flash_attn_func_decode_paired_kv_heads(monkeypatch):
+    """flash_attn_func's decode (one query token, K/V heads adjacent) pairs heads too."""
+    from flashgen.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
+    dispatch.plan_fwd.cache_clear()
+    try:
+        q, k, v = randn(3, 1, 16, 96), randn(3, 777, 4, 96), randn(3, 777, 4, 96)
+        plan = dispatch.plan_fwd(
+            dtype=q.dtype, head_dim=96, batch=3, seqlen_q=1, seqlen_k=777, nheads=16, nheads_k=4, causal=False,
+            window_size=(-1, -1), softcap=0.0, pack_gqa=None, device=torch.cuda.get_device_capability(),
+            kv_heads_adjacent=True)
+        assert plan.kv_head_group == 2
+        out_ref, lse_ref = attention_ref(q, k, v)
+        out_pt, _ = attention_ref(q, k, v, upcast=False)
+        poison_allocator()
+        out, lse, _ = flashgen.flash_attn_func(q, k, v, return_attn_probs=True)
+        assert_close_fa_rule(out, out_ref, out_pt, k=RULE_K)
+        assert_lse_close(lse, lse_ref)
+    finally:
+        dispatch.plan_fwd.cache_clear()
+
+
+@pytest.mark.parametrize("c", [
     case("gqa32_8-sq1", nheads=32, nheads_k=8),
     case("mqa8_1-sq3-nomask", nheads_k=1, seqlen_q=3, seqlen_new=3, causal=False),
     case("gqa32_8-sq5-page16-local17_3", nheads=32, nheads_k=8, seqlen_q=5, seqlen_new=5, page_size=16,
