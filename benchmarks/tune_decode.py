@@ -99,10 +99,11 @@ def apply_options(options: tuple[str, ...]) -> None:
     for prefix, module, name in (("shared", tiles, "DECODE_MAX_SHARED_RING"),
                                  ("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
                                  ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
-                                 ("long", dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"),
                                  ("fill", dispatch, "DECODE_FILL_MIN_BLOCKS")):
         if number(prefix) is not None:
             setattr(module, name, number(prefix))
+    if number("long") is not None:
+        dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS = dict.fromkeys(dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS, number("long"))
     defines = [o for o in options if o.startswith("-D")]
     if defines:
         os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(defines)

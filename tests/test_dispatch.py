@@ -181,13 +181,21 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     p = plan(seqlen_k=2048, paged=True, page_size=16, **b4)
     assert p.tile.ctas_per_sm(128, h200.smem_per_sm) == 1 and p.num_splits == 4 and not p.merge_in_cluster
     assert plan(seqlen_k=8192, paged=True, page_size=16, **decode).merge_in_cluster
-    # Clusters of more than two splits only for short splits (DECODE_CLUSTER_MAX_SPLIT_BLOCKS) or
-    # grids of at most half the SMs: b4 x 8k (4 splits of 16 blocks, 128 CTAs) merges through the
-    # combine kernel; b1 x 16k (8 of 16, 64 CTAs) and b8 x 128k (2 of 512) in clusters.
+    # Clusters of more than two splits only for short splits (DECODE_CLUSTER_MAX_SPLIT_BLOCKS of the
+    # instance head dim) or grids of at most half the SMs: b4 x 8k (4 splits of 16 blocks, 128 CTAs)
+    # merges in clusters at d128 and d64, through the combine kernel at d96, and with 32k keys (64
+    # blocks a split) at d128 too; b8 x 128k (2 of 512) in clusters.
+    assert dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS == {64: 16, 96: 8, 128: 16, 192: 8, 256: 8}
     p = plan(seqlen_k=8192, **b4)
+    assert p.num_splits == 4 and p.merge_in_cluster
+    assert plan(seqlen_k=8192, head_dim=64, **b4).merge_in_cluster
+    p = plan(seqlen_k=8192, head_dim=96, **b4)
     assert p.num_splits == 4 and not p.merge_in_cluster
+    assert not plan(seqlen_k=32768, **b4).merge_in_cluster
+    # 16k keys (128 blocks, more than DECODE_CLUSTER_MAX_BLOCKS): 16 splits and the combine kernel,
+    # not 8 in a cluster.
     p = plan(seqlen_k=16384, **decode)
-    assert p.num_splits == 8 and p.merge_in_cluster
+    assert p.num_splits == 16 and not p.merge_in_cluster
     p = plan(seqlen_k=131072, **{**decode, "batch": 8})
     assert p.num_splits == 2 and p.merge_in_cluster
     # Decode splits count one CTA per SM even where two fit.

@@ -72,9 +72,12 @@ DECODE_SPLIT_CTAS_PER_SM = 1  # a switch for benchmarks/tune_decode.py ("slots<N
 # cluster 8.1). Where the heuristic wants more splits but keys are few (at most
 # DECODE_CLUSTER_MAX_BLOCKS key blocks), 8 merged in a cluster beat them (b1 8k: 14.4 us against 13
 # splits and the combine, 15.8); with more keys the extra splits' bandwidth wins (b1 128k, the
-# forward alone: 120 us with 16 splits, 128 with 8).
+# forward alone: 120 us with 16 splits, 128 with 8). Since the combine kernel's load slots follow
+# the split count (combine.cuh), 16 splits and the combine also beat 8 in a cluster at 128 blocks:
+# b1 x 16k, cuDNN / flashgen, d128 0.955 -> 0.989, d64 0.874 -> 0.960, d96 0.892 -> 1.010
+# (tune_decode.py --rounds 2-3, "cluster64"; benchmarks/results/20261130-nvidia-h200-decode-pairs/).
 DECODE_CLUSTER_SPLITS = 8
-DECODE_CLUSTER_MAX_BLOCKS = 128
+DECODE_CLUSTER_MAX_BLOCKS = 64
 # A cluster's CTAs start together, on SMs of one GPC with room for all of them: merged in clusters
 # only while the grid takes at most this share of the CTA slots (SMs x decode CTAs per SM).
 # H200, b4 x 8k / 32k keys, paged (one decode CTA per SM), 128 CTAs in clusters of 4: 59.8 / 208.7
@@ -87,8 +90,11 @@ DECODE_CLUSTER_MAX_FILL = 0.5
 # blocks) 0.975 -> 1.002, b4 x 32k (4 of 64) 0.985 -> 1.004, b4 x 128k 0.968 -> 1.008, b4 x 8k
 # (4 of 16) 1.000 -> 0.994; d96 0.824 -> 1.028, 0.797 -> 1.036, 0.747 -> 1.021, 0.864 -> 1.033;
 # d64 0.913 -> 0.979, 0.909 -> 0.984, 0.898 -> 0.984, 0.965 -> 0.950. Clusters of two (b8) measured
-# 1.01-1.04x with splits of up to 512 blocks.
-DECODE_CLUSTER_MAX_SPLIT_BLOCKS = 8
+# 1.01-1.04x with splits of up to 512 blocks. Per instance head dim: at d64 and d128 splits of up
+# to 16 blocks merge better in clusters (same tool, "long16", after the combine's load-slot change:
+# d128 b4 x 8k 0.968 -> 0.990, b2 x 16k 0.989 -> 1.006; d64 b2 x 16k 0.961 -> 0.991), at d96 not
+# (b4 x 8k 1.013 -> 0.863, b2 x 16k 1.026 -> 0.923); d192 and d256 keep the measured 8.
+DECODE_CLUSTER_MAX_SPLIT_BLOCKS = {64: 16, 96: 8, 128: 16, 192: 8, 256: 8}
 MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
 # Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
 # previous kernel on the stream finishes its last wave (once all its CTAs have executed
@@ -276,7 +282,7 @@ def plan_fwd(
 
     def clusters_merge(splits: int) -> bool:
         grid = m_blocks * heads * batch * splits
-        short_splits = -(-n_blocks // splits) <= DECODE_CLUSTER_MAX_SPLIT_BLOCKS
+        short_splits = -(-n_blocks // splits) <= DECODE_CLUSTER_MAX_SPLIT_BLOCKS[d_instance]
         return grid <= DECODE_CLUSTER_MAX_FILL * cta_slots and (
             splits <= 2 or short_splits or 2 * grid <= device.num_sms)
 
