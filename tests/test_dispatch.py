@@ -183,9 +183,11 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     assert plan(seqlen_k=8192, paged=True, page_size=16, **decode).merge_in_cluster
     # Clusters of more than two splits only for short splits (DECODE_CLUSTER_MAX_SPLIT_BLOCKS of the
     # instance head dim) or grids of at most half the SMs: b4 x 8k (4 splits of 16 blocks, 128 CTAs)
-    # merges in clusters at d128 and d64, through the combine kernel at d96, and with 32k keys (64
-    # blocks a split) at d128 too; b8 x 128k (2 of 512) in clusters.
-    assert dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS == {64: 16, 96: 8, 128: 16, 192: 8, 256: 8}
+    # merges in clusters at d128 and d64, through the combine kernel at d96 (as b4 x 4k, 4 splits of
+    # 8 blocks, does there), and with 32k keys (64 blocks a split) at d128 too; b8 x 128k (2 of 512)
+    # in clusters.
+    assert dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS == {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
+    assert plan(seqlen_k=4096, **b4).merge_in_cluster and not plan(seqlen_k=4096, head_dim=96, **b4).merge_in_cluster
     p = plan(seqlen_k=8192, **b4)
     assert p.num_splits == 4 and p.merge_in_cluster
     assert plan(seqlen_k=8192, head_dim=64, **b4).merge_in_cluster

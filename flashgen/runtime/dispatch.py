@@ -92,9 +92,10 @@ DECODE_CLUSTER_MAX_FILL = 0.5
 # d64 0.913 -> 0.979, 0.909 -> 0.984, 0.898 -> 0.984, 0.965 -> 0.950. Clusters of two (b8) measured
 # 1.01-1.04x with splits of up to 512 blocks. Per instance head dim: at d64 and d128 splits of up
 # to 16 blocks merge better in clusters (same tool, "long16", after the combine's load-slot change:
-# d128 b4 x 8k 0.968 -> 0.990, b2 x 16k 0.989 -> 1.006; d64 b2 x 16k 0.961 -> 0.991), at d96 not
-# (b4 x 8k 1.013 -> 0.863, b2 x 16k 1.026 -> 0.923); d192 and d256 keep the measured 8.
-DECODE_CLUSTER_MAX_SPLIT_BLOCKS = {64: 16, 96: 8, 128: 16, 192: 8, 256: 8}
+# d128 b4 x 8k 0.968 -> 0.990, b2 x 16k 0.989 -> 1.006; d64 b2 x 16k 0.961 -> 0.991). d96 merges
+# better through the combine kernel from 3 blocks a split ("long16" b4 x 8k 1.013 -> 0.863; "long2"
+# b4 x 4k 0.926 -> 1.001, b2 x 8k 0.980 -> 1.009, b4 x 2k 0.991 -> 1.001); d192 and d256 keep 8.
+DECODE_CLUSTER_MAX_SPLIT_BLOCKS = {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
 MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
 # Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
 # previous kernel on the stream finishes its last wave (once all its CTAs have executed
