@@ -69,6 +69,23 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                  "r"(src_bytes));
 }
 
+// An L2 policy for data read once (decode's K/V stream): its lines are evicted first, so the lines
+// that are read again (Q, the page table, split partials) stay. H200, decode K/V copies, cuDNN /
+// flashgen (benchmarks/tune_decode.py --rounds 3, 20261130-nvidia-h200-decode-pairs/g_*): d128 b32 x
+// 4k 0.993 -> 1.004, b1 x 32k 1.001 -> 1.016, b1 x 128k 1.010 -> 1.016; d64 b1 x 32k 0.977 -> 0.997.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));  // pure: hoisted
+    return policy;
+}
+
+// cp_async_16 under an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid, uint64_t policy) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
+                 "l"(gmem), "r"(src_bytes), "l"(policy));
+}
+
 // 4-byte variant (cp.async.ca: only .ca copies fewer than 16 bytes); zero-filled when !valid.
 __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool valid) {
     int src_bytes = valid ? 4 : 0;

@@ -166,12 +166,14 @@ struct GroupedHeadColumns {
 // Copies rows [0, kRows) of a tile into shared memory (at shared address smem, in Layout), each row's
 // address broadcast from the lane that computed it. Rows with a null address, and columns outside
 // [first_col(row), first_col(row) + head_dim), are zero-filled (the first column a row's data
-// starts at is 0 unless a FirstCol with kShifted is given).
-template <typename Copy, typename Layout, typename T, typename FirstCol = ColumnsFromZero>
+// starts at is 0 unless a FirstCol with kShifted is given). kReadOnce: rows no other copy reads
+// again, copied under the L2 evict-first policy.
+template <typename Copy, typename Layout, bool kReadOnce = false, typename T, typename FirstCol = ColumnsFromZero>
 __device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int tid,
                                                 const RowPtrs<Copy, T>& ptrs, FirstCol first_col = {}) {
     int const lane_in_row = tid % Copy::kThreadsPerRow;
     int const row0 = tid / Copy::kThreadsPerRow;
+    uint64_t const policy = kReadOnce ? l2_evict_first_policy() : 0;
 #pragma unroll
     for (int i = 0; i < Copy::kRowIters; ++i) {
         const T* gptr = reinterpret_cast<const T*>(__shfl_sync(
@@ -185,7 +187,11 @@ __device__ __forceinline__ void copy_rows_async(uint32_t smem, int head_dim, int
                 int const col = lane_in_row * 8 + j * Copy::kChunkElems;
                 bool const valid = gptr != nullptr && col < col_begin + head_dim &&
                                    (!FirstCol::kShifted || col >= col_begin);
-                cp_async_16(smem + Layout::offset(row, col / 8), valid ? gptr + col : gptr, valid);
+                if constexpr (kReadOnce) {
+                    cp_async_16(smem + Layout::offset(row, col / 8), valid ? gptr + col : gptr, valid, policy);
+                } else {
+                    cp_async_16(smem + Layout::offset(row, col / 8), valid ? gptr + col : gptr, valid);
+                }
             }
         }
     }
@@ -551,12 +557,14 @@ __device__ __forceinline__ void flash_fwd_sm80(const FwdParams& params) {
             v_ptrs = kv_row_ptrs(n_block, v_base, params.v_batch_stride, params.v_row_stride);
         }
     };
+    // Decode reads each K/V row once (a second row block, when there is one, reads it at the same
+    // time): under the L2 evict-first policy. Prefill row blocks re-read K/V from L2.
     auto load_k = [&](int buffer, int n_block) {  // paged: block n_block must be the one prepared
-        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
+        copy_rows_async<KVCopy, Smem, Tr::kDecode>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
                                       Tr::kPaged ? k_ptrs : kv_row_ptrs(n_block, k_base, 0, params.k_row_stride));
     };
     auto load_v = [&](int buffer, int n_block) {
-        copy_rows_async<KVCopy, Smem>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
+        copy_rows_async<KVCopy, Smem, Tr::kDecode>(smem_u32(kv_buffer(buffer)), kv_cols, tid,
                                       Tr::kPaged ? v_ptrs : kv_row_ptrs(n_block, v_base, 0, params.v_row_stride));
     };
     // Copy 2j + is_v of the ring: K (is_v false) or V of key block n_block_max - 1 - j, into
