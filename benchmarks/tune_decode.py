@@ -67,7 +67,8 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #   pairs       two adjacent KV heads per CTA at d64/d96/d128 and any grid (dispatch.DECODE_PAIRED_HEAD_DIMS,
 #               DECODE_PAIR_MIN_SM_SHARE); heads-first memory never pairs
 #   nopairs     one KV head per CTA
-#   pairs<P>    pairs where the paired grid has at least P% of the SMs' count in tiles
+#   pairs<P>    pairs (at the default head dims) where the paired grid has at least P% of the SMs'
+#               count in tiles (dispatch.DECODE_PAIR_MIN_SM_SHARE)
 #   -D<NAME>=<V> an NVRTC define for the candidate's kernels (FLASHGEN_NVRTC_EXTRA_OPTIONS)
 # The knobs each option sets, restored before every candidate and at the end.
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),

@@ -8,8 +8,9 @@ import functools
 import logging
 
 from ..generator import matrix
+from ..generator import tiles as tile_table
 from ..generator.spec import HEAD_DIMS, KernelSpec
-from ..generator.tiles import DECODE_MAX_ROWS, FWD_DECODE_TILE, SM90_BLOCK_M, FwdTile, fwd_tile
+from ..generator.tiles import DECODE_MAX_ROWS, SM90_BLOCK_M, FwdTile, fwd_tile
 from . import heuristics
 
 logger = logging.getLogger("flashgen")
@@ -114,7 +115,8 @@ DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
 # two rows are then one run of 2 x head_dim elements, read by the instance of twice the head dim,
 # and d96's 192-byte rows no longer share a 128-byte line between two CTAs. Only for grids of at
 # least DECODE_PAIR_MIN_SM_SHARE x SMs paired tiles: smaller ones need twice the splits for the same
-# CTAs, and lose.
+# CTAs, and lose. (A query row's zero columns meet the other head's keys in Q·Kᵀ: a non-finite key
+# of one head, already fatal to that head's rows, then makes the paired head's rows NaN too.)
 DECODE_PAIRED_HEAD_DIMS: frozenset[int] = frozenset({64, 96})
 DECODE_PAIR_MIN_SM_SHARE = 0.5
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
@@ -265,7 +267,7 @@ def plan_fwd(
     # Decode over pairs of adjacent KV heads: the packed rows of both fit one decode row block.
     kv_head_group = 2 if (
         decode and kv_heads_adjacent and head_dim in DECODE_PAIRED_HEAD_DIMS and 2 * head_dim in HEAD_DIMS
-        and nheads_k % 2 == 0 and pack_gqa is not False and 2 * seqlen_q * qhead_per_khead <= FWD_DECODE_TILE.block_m
+        and nheads_k % 2 == 0 and pack_gqa is not False and 2 * seqlen_q * qhead_per_khead <= tile_table.FWD_DECODE_TILE.block_m
         and batch * nheads_k // 2 >= DECODE_PAIR_MIN_SM_SHARE * device.num_sms
     ) else 1
     if kv_head_group > 1:

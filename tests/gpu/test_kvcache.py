@@ -490,22 +490,28 @@ def test_kvcache_paired_kv_heads(c, monkeypatch):
 
 
 def test_flash_attn_func_decode_paired_kv_heads(monkeypatch):
-    """flash_attn_func's decode (one query token, K/V heads adjacent) pairs heads too."""
-    from flashgen.runtime import dispatch
+    """flash_attn_func's decode (one query token, K/V heads adjacent) pairs heads too: the d192
+    instance runs over 2 of the 4 KV heads, and meets the rule."""
+    from flashgen.runtime import dispatch, interface
 
+    launched = []
+    original = interface._launch
+
+    def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
+        launched.append((spec, grid))
+        return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "_launch", spy)
     monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
     dispatch.plan_fwd.cache_clear()
     try:
         q, k, v = randn(3, 1, 16, 96), randn(3, 777, 4, 96), randn(3, 777, 4, 96)
-        plan = dispatch.plan_fwd(
-            dtype=q.dtype, head_dim=96, batch=3, seqlen_q=1, seqlen_k=777, nheads=16, nheads_k=4, causal=False,
-            window_size=(-1, -1), softcap=0.0, pack_gqa=None, device=torch.cuda.get_device_capability(),
-            kv_heads_adjacent=True)
-        assert plan.kv_head_group == 2
         out_ref, lse_ref = attention_ref(q, k, v)
         out_pt, _ = attention_ref(q, k, v, upcast=False)
         poison_allocator()
         out, lse, _ = flashgen.flash_attn_func(q, k, v, return_attn_probs=True)
+        (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
+        assert spec.head_dim == 192 and spec.decode and grid[1] == 2, (spec.uri, grid)
         assert_close_fa_rule(out, out_ref, out_pt, k=RULE_K)
         assert_lse_close(lse, lse_ref)
     finally:
