@@ -224,6 +224,21 @@ def fresh_caches(kwargs: dict) -> dict:
     return {**kwargs, "k_cache": kwargs["k_cache"].clone(), "v_cache": kwargs["v_cache"].clone()}
 
 
+def spy_launches(monkeypatch) -> list:
+    """Record (spec, grid) of every kernel the runtime launches from here on."""
+    from flashgen.runtime import interface
+
+    launched = []
+    original = interface._launch
+
+    def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
+        launched.append((spec, grid))
+        return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
+
+    monkeypatch.setattr(interface, "_launch", spy)
+    return launched
+
+
 # ---------------------------------------------------------------------------------------------
 # flash_attn_with_kvcache: one axis group per test, around the base Case.
 
@@ -462,16 +477,9 @@ def test_kvcache_paired_kv_heads(c, monkeypatch):
     """Decode over adjacent KV heads, two per CTA (dispatch.DECODE_PAIRED_HEAD_DIMS, here at any grid
     size and also at d128): the instance of twice the head dim runs over half the heads, meets the
     rule, and agrees with one head per CTA."""
-    from flashgen.runtime import dispatch, interface
+    from flashgen.runtime import dispatch
 
-    launched = []
-    original = interface._launch
-
-    def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
-        launched.append((spec, grid))
-        return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
-
-    monkeypatch.setattr(interface, "_launch", spy)
+    launched = spy_launches(monkeypatch)
     kwargs = make_kwargs(c)
     runs = {}
     try:
@@ -492,16 +500,9 @@ def test_kvcache_paired_kv_heads(c, monkeypatch):
 def test_flash_attn_func_decode_paired_kv_heads(monkeypatch):
     """flash_attn_func's decode (one query token, K/V heads adjacent) pairs heads too: the d192
     instance runs over 2 of the 4 KV heads, and meets the rule."""
-    from flashgen.runtime import dispatch, interface
+    from flashgen.runtime import dispatch
 
-    launched = []
-    original = interface._launch
-
-    def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
-        launched.append((spec, grid))
-        return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
-
-    monkeypatch.setattr(interface, "_launch", spy)
+    launched = spy_launches(monkeypatch)
     monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
     dispatch.plan_fwd.cache_clear()
     try:
