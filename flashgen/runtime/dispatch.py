@@ -267,7 +267,8 @@ def plan_fwd(
     # Decode over pairs of adjacent KV heads: the packed rows of both fit one decode row block.
     kv_head_group = 2 if (
         decode and kv_heads_adjacent and head_dim in DECODE_PAIRED_HEAD_DIMS and 2 * head_dim in HEAD_DIMS
-        and nheads_k % 2 == 0 and pack_gqa is not False and 2 * seqlen_q * qhead_per_khead <= tile_table.FWD_DECODE_TILE.block_m
+        and nheads_k % 2 == 0 and pack_gqa is not False
+        and 2 * seqlen_q * qhead_per_khead <= tile_table.FWD_DECODE_TILE.block_m
         and batch * nheads_k // 2 >= DECODE_PAIR_MIN_SM_SHARE * device.num_sms
     ) else 1
     if kv_head_group > 1:
