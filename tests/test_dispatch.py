@@ -538,7 +538,7 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ca
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(sm90=False),                    # inputs the TMA cannot read, varlen or deterministic (flash_bwd)
+    dict(sm90=False),                    # inputs the TMA cannot read, or seqused (flash_bwd)
     dict(sm90=True, family="sm80"),      # the sm80 family forced
     dict(sm90=True, head_dim=136),       # above the largest sm90 backward instance
     dict(sm90=True, head_dim=256),

@@ -244,6 +244,11 @@ class Sm90BwdTile(_Sm90Warpgroups):
             raise ValueError(f"{self}: dQ = dS·K splits 64 or 128 queries over the two consumer warpgroups, "
                              f"which own {SM90_BWD_BLOCK_N} keys")
 
+    @property
+    def d_slices(self) -> int:
+        """One CTA per key block holds all head-dim columns (the deterministic semaphores' layout)."""
+        return 1
+
     def dq_mma_width(self, head_dim: int) -> int:
         """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), or all 64
         queries and half the columns (block_m 64)."""

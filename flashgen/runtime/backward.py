@@ -39,7 +39,7 @@ def plan_bwd(
     family: str | None = None, dropout: bool = False, sm90: bool = False,
 ) -> BwdPlan:
     """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
-    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused, not deterministic);
+    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused);
     on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
     forces sm80."""
     if not isinstance(device, DeviceInfo):
@@ -113,10 +113,9 @@ def flash_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
         family=config.forced_family(), dropout=dropout is not None and dropout.p > 0,
-        # The TMA checks only on Hopper; the sm90 backward takes dense and varlen calls, without
-        # seqused or deterministic mode.
-        sm90=info.capability[0] == 9 and not deterministic and seqused_q is None and seqused_k is None
-        and tma.compatible(q, k, v, dout),
+        # The TMA checks only on Hopper; the sm90 backward takes dense and varlen calls (deterministic
+        # or not), without seqused.
+        sm90=info.capability[0] == 9 and seqused_q is None and seqused_k is None and tma.compatible(q, k, v, dout),
     )
     # D and the LSE in log2 units, both written by the preprocess: one allocation.
     dsum, lse_log2 = torch.empty((2, stats_batch, nheads, stats_rows), dtype=torch.float32, device=q.device)

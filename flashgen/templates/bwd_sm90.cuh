@@ -27,7 +27,15 @@
 // Head dims below an instance's run on it: the TMA zero-fills Q's, K's, V's and dO's columns past the
 // call's, which add nothing; dK and dV are stored for the call's columns, and the dQ buffer's
 // tensor map, as wide as the call, drops the tile's extra columns. Not here (the sm80 backward
-// serves those calls): seqused_q/k, deterministic mode, head dims above 128.
+// serves those calls): seqused_q/k, head dims above 128.
+//
+// Deterministic mode (params.semaphore_ptr set, a counter per (batch, query head, query block)):
+// the key blocks that see a query block add their dQ to it in ascending order, each after the
+// previous one's reductions have completed; the consumers go on computing meanwhile (only the dQ
+// writer waits). A block waits only for blocks launched before it, so the waits end however few
+// CTAs are resident; and every key block reaches a query block at the same step (see the step
+// order), so block n starts about n reductions late and then never waits. Longest blocks still
+// run first under a causal mask.
 //
 // Dropout (kDropout): the forward's Philox mask (common.cuh's Dropout) regenerated per step. A
 // thread's keys key and key + 8 of a query lie in one Philox block (the 16 keys of quad lane
@@ -40,6 +48,10 @@
 #include "seq_extent.cuh"
 #include "sm90_common.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
+
+#ifndef FLASHGEN_BWD_SM90_DV_FIRST
+#define FLASHGEN_BWD_SM90_DV_FIRST 1
+#endif
 
 namespace flashgen {
 
@@ -121,6 +133,17 @@ __device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" ::"r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]) : "memory");
 }
+
+// A key block's step: its query block and query head of the group (flash_bwd_sm90's step order).
+struct BwdStep {
+    int m_block, head;
+    __device__ __forceinline__ void advance(int qhpk) {
+        if (++head == qhpk) {
+            head = 0;
+            --m_block;
+        }
+    }
+};
 
 // What the per-element backward of the softmax needs besides Sᵀ and dPᵀ.
 struct Sm90BwdStep {
@@ -227,6 +250,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
+    int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
     int const n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
     // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.
@@ -250,10 +274,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             m_block_max = last_query < 0 ? 0 : min(last_query / kBlockM + 1, m_blocks);
         }
     }
-    // Steps enumerate (query head of the group, query block), query blocks fastest, advanced by
-    // counters on both sides (no division).
-    int const m_count = max(m_block_max - m_block_min, 0);
-    int const steps = qhpk * m_count;
+    // Steps enumerate (query block, query head of the group): query blocks from the last that sees
+    // these keys down to the first, the group's heads fastest, advanced by counters on every side
+    // (no division). Every key block thus reaches a query block at the same step, or (a local
+    // window's) later for later key blocks, which is the deterministic mode's order.
+    int const steps = qhpk * max(m_block_max - m_block_min, 0);
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
@@ -279,15 +304,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 tma_load_4d(sK + p * Tr::kPanelKBytes, &args.tma_k, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
                 tma_load_4d(sV + p * Tr::kPanelKBytes, &args.tma_v, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
             }
-            int head = 0, m = 0;
+            BwdStep step_at{m_block_max - 1, 0};
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);  // its previous use is done
-                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
-                if (++m == m_count) {
-                    m = 0;
-                    ++head;
-                }
+                int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
+                step_at.advance(qhpk);
                 mbar_arrive_expect_tx(full(stage), 2 * Tr::kQBytes);
 #pragma unroll
                 for (int p = 0; p < Tr::kPanels; ++p) {
@@ -303,15 +325,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // under varlen zeroed by clear_rows).
             const float* lse_log2_rows = reinterpret_cast<const float*>(params.lse_log2_ptr);
             const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
-            int head = 0, m = 0;
+            BwdStep step_at{m_block_max - 1, 0};
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);
-                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
-                if (++m == m_count) {
-                    m = 0;
-                    ++head;
-                }
+                int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
+                step_at.advance(qhpk);
                 int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
 #pragma unroll
                 for (int r = lane; r < kBlockM; r += 32) {
@@ -333,12 +352,25 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // next sequence's first rows: the warp zeroes them first, whatever this sequence's K
             // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
             // spills when it keeps the sequence's end live.
-            int head = 0, m = 0;
+            int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;  // of the semaphores
+            BwdStep step_at{m_block_max - 1, 0};
             for (int t = 0; t < steps; ++t) {
-                int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
-                if (++m == m_count) {
-                    m = 0;
-                    ++head;
+                int const bidh = bidh_kv * qhpk + step_at.head, m_block = step_at.m_block, q0 = m_block * kBlockM;
+                step_at.advance(qhpk);
+                int* semaphore = nullptr;
+                if (semaphores != nullptr) {
+                    // This block's turn at the query block: ascending from the first key block that
+                    // sees it (a local window's left edge skips the first ones: key blocks n with
+                    // n * kBlockN > q0 + diag - window_left - kBlockN, the m_block_max rule read the
+                    // other way).
+                    semaphore = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks_stride + m_block;
+                    int turn = n_block;
+                    if constexpr (Tr::kMask == Mask::Local) {
+                        int const first_key = q0 + diag - params.window_left;
+                        turn -= first_key > 0 ? first_key / kBlockN : 0;
+                    }
+                    if (lane == 0) semaphore_wait_eq(semaphore, turn);
+                    __syncwarp();
                 }
                 mbar_wait(dq_full, t & 1);
                 if (varlen_q && q0 + kBlockM > seqlen_q) {
@@ -359,6 +391,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     bulk_commit();
                     bulk_wait_read();
                     mbar_arrive(dq_empty);
+                    if (semaphore != nullptr) {
+                        bulk_wait_all();  // the additions are done, not just read from the tile
+                        semaphore_release_add(semaphore, 1);
+                    }
                 }
                 __syncwarp();
             }
@@ -371,13 +407,25 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     // of the warpgroup, lane) holds keys 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
     // of each n8 tile of Sᵀ, dPᵀ, dK and dV (the wgmma accumulator layout).
     setmaxnreg_inc<Tr::kConsumerRegs>();
-    int const consumer = warpgroup - 1;
+    // Warp-uniform for the compiler (a shuffle from lane 0), so that the descriptors derived from it
+    // live in uniform registers.
+    int const consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     int const key_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
     constexpr int kSRegs = kBlockM / 2, kDKRegs = kHeadDim / 2, kDQRegs = Tr::kDQWidth / 2;
-    uint32_t const k_rows = sK + consumer * 64 * 128, v_rows = sV + consumer * 64 * 128;
+    // Descriptors of this consumer's K and V rows (K-major: the A of Sᵀ and dPᵀ) and of K MN-major
+    // from dQ's first column (the B of dQ = dS·K), moved per MMA by constants.
+    uint64_t const desc_k = smem_desc_sw128(sK + consumer * 64 * 128, 16, 1024);
+    uint64_t const desc_v = smem_desc_sw128(sV + consumer * 64 * 128, 16, 1024);
     // This consumer's share of dQ: queries dq_q0 .. + 63, columns dq_col0 .. + kDQWidth - 1.
     int const dq_q0 = Tr::kDQSplitColumns ? 0 : consumer * 64;
     int const dq_col0 = Tr::kDQSplitColumns ? consumer * Tr::kDQWidth : 0;
+    uint64_t const desc_kt = smem_desc_sw128(sK + (dq_col0 / 64) * Tr::kPanelKBytes, Tr::kPanelKBytes, 1024);
+    // Stage 0's Q and dO (K-major and MN-major) and dSᵀ buffer 0 from this consumer's dQ queries
+    // (MN-major: the A of dQ); each step moves them to its stage and buffer.
+    uint64_t const desc_q0 = smem_desc_sw128(sQ(0), 16, 1024), desc_do0 = smem_desc_sw128(sdO(0), 16, 1024);
+    uint64_t const desc_q0_mn = smem_desc_sw128(sQ(0), Tr::kPanelQBytes, 1024);
+    uint64_t const desc_do0_mn = smem_desc_sw128(sdO(0), Tr::kPanelQBytes, 1024);
+    uint64_t const desc_ds0 = smem_desc_sw128(sdS0 + (dq_q0 / 64) * Tr::kPanelDSBytes, Tr::kPanelDSBytes, 1024);
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
 
@@ -410,15 +458,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         }
     }
 
-    int head = 0, m = 0;
+    BwdStep step_at{m_block_max - 1, 0};
     for (int t = 0; t < steps; ++t) {
         int const stage = t % kStages;
         uint32_t const parity = (t / kStages) & 1;
-        int const bidh = bidh_kv * qhpk + head, q0 = (m_block_min + m) * kBlockM;
-        if (++m == m_count) {
-            m = 0;
-            ++head;
-        }
+        int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
+        step_at.advance(qhpk);
         float s[kSRegs], dp[kSRegs];
         mbar_wait(full(stage), parity);
         if (varlen_q && q0 + kBlockM > seqlen_q) {
@@ -426,20 +471,27 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             clear_rows(sdO(stage), kBlockM, seqlen_q - q0, Tr::kPanelQBytes);
             publish_cleared();
         }
+        // This step's Q and dO: K-major (Sᵀ's and dPᵀ's B) and MN-major (dK's and dV's B, 64-column
+        // panels kPanelQBytes apart), moved from stage 0's.
+        uint64_t const desc_q = smem_desc_moved(desc_q0, stage * Tr::kQBytes);
+        uint64_t const desc_do = smem_desc_moved(desc_do0, stage * Tr::kQBytes);
+        uint64_t const desc_q_mn = smem_desc_moved(desc_q0_mn, stage * Tr::kQBytes);
+        uint64_t const desc_do_mn = smem_desc_moved(desc_do0_mn, stage * Tr::kQBytes);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
-            uint32_t const col = (k % 4) * 32;  // 16 columns = 32 bytes within the 128-byte panel rows
-            uint64_t const desc_k = smem_desc_sw128(k_rows + (k / 4) * Tr::kPanelKBytes + col, 16, 1024);
-            uint64_t const desc_q = smem_desc_sw128(sQ(stage) + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
-            wgmma_ss<Element, kBlockM, 0>(s, desc_k, desc_q, k > 0);
+            // 16 columns = 32 bytes within the 128-byte panel rows.
+            uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
+            uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
+            wgmma_ss<Element, kBlockM, 0>(s, smem_desc_moved(desc_k, k_offset_bytes),
+                                          smem_desc_moved(desc_q, q_offset_bytes), k > 0);
         }
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
-            uint32_t const col = (k % 4) * 32;
-            uint64_t const desc_v = smem_desc_sw128(v_rows + (k / 4) * Tr::kPanelKBytes + col, 16, 1024);
-            uint64_t const desc_do = smem_desc_sw128(sdO(stage) + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
-            wgmma_ss<Element, kBlockM, 0>(dp, desc_v, desc_do, k > 0);
+            uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
+            uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
+            wgmma_ss<Element, kBlockM, 0>(dp, smem_desc_moved(desc_v, k_offset_bytes),
+                                          smem_desc_moved(desc_do, q_offset_bytes), k > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -464,51 +516,102 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
         }
         uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-        pack_fragments<Element>(s, p_frag);
-        pack_fragments<Element>(dp, ds_frag);
-
+        // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
+        // head-dim columns its N (MN-major, panels kPanelQBytes apart).
+        auto issue_dv = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                wgmma_rs<Element, kHeadDim, 1>(acc_dv, p_frag[kk], smem_desc_moved(desc_do_mn, kk * 16 * 128), 1);
+        };
+        auto issue_dk = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                wgmma_rs<Element, kHeadDim, 1>(acc_dk, ds_frag[kk], smem_desc_moved(desc_q_mn, kk * 16 * 128), 1);
+        };
         // dSᵀ to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte chunk
         // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle; key % 8 is lane / 4 here).
         uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
+        auto store_ds = [&]() {
 #pragma unroll
-        for (int i = 0; i < kBlockM / 8; ++i)
+            for (int i = 0; i < kBlockM / 8; ++i)
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                int const row = key_in_block + 8 * half;
-                st_shared_u32(ds_buffer + (i / 8) * Tr::kPanelDSBytes + row * 128 + (((i % 8) ^ (lane / 4)) * 16) +
-                                  4 * (lane % 4),
-                              ds_frag[i / 2][(i % 2) * 2 + half]);
+                for (int half = 0; half < 2; ++half) {
+                    int const row = key_in_block + 8 * half;
+                    st_shared_u32(ds_buffer + (i / 8) * Tr::kPanelDSBytes + row * 128 + (((i % 8) ^ (lane / 4)) * 16) +
+                                      4 * (lane % 4),
+                                  ds_frag[i / 2][(i % 2) * 2 + half]);
+                }
+            fence_proxy_async();  // visible to the wgmma (async proxy)
+        };
+        // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
+        // panel dq_q0 / 64, K rows kk * 16.. the K of MMA kk, K's columns dq_col0.. its N.
+        float acc_dq[kDQRegs];
+        uint64_t const desc_ds = smem_desc_moved(desc_ds0, (t & 1) * Tr::kDSBytes);
+        auto issue_dq = [&]() {
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, smem_desc_moved(desc_ds, kk * 16 * 128),
+                                                      smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
             }
-        fence_proxy_async();  // visible to the wgmma (async proxy)
+        };
+        // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
+        // the previous step's. Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4
+        // XOR row % 8 (= lane / 4 here).
+        auto store_dq = [&]() {
+            if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
+            int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
+                    int const col = dq_col0 + i * 8 + 2 * (lane % 4);
+                    uint32_t const addr = sdQ + (col / 32) * Tr::kDQBoxBytes + (dq_row + 8 * half) * 128 +
+                                          ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
+                    st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
+                }
+            fence_proxy_async();  // visible to the TMA (async proxy)
+            mbar_arrive(dq_full);
+        };
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
-        // head-dim columns its N (MN-major, panels kPanelQBytes apart).
+#if FLASHGEN_BWD_SM90_DV_FIRST
+        // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
+        // before dK, so that dQ's tile store overlaps dK.
+        pack_fragments<Element>(s, p_frag);
+        fence_registers(acc_dv);
+        wgmma_fence();
+        issue_dv();
+        wgmma_commit();
+        pack_fragments<Element>(dp, ds_frag);
+        store_ds();
+        named_barrier_sync(1, Tr::kConsumerThreads);
+        fence_registers(acc_dk);
+        wgmma_fence();
+        issue_dq();
+        wgmma_commit();
+        issue_dk();
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ done
+        fence_registers(acc_dq);
+        store_dq();
+        wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
+        fence_registers(acc_dv);
+        fence_registers(acc_dk);
+        keep_fragments(p_frag);
+        keep_fragments(ds_frag);
+        mbar_arrive(empty(stage));
+#else
+        pack_fragments<Element>(s, p_frag);
+        pack_fragments<Element>(dp, ds_frag);
+        store_ds();
         fence_registers(acc_dv);
         fence_registers(acc_dk);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            wgmma_rs<Element, kHeadDim, 1>(acc_dv, p_frag[kk], smem_desc_sw128(sdO(stage) + kk * 16 * 128, Tr::kPanelQBytes, 1024), 1);
-        }
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            wgmma_rs<Element, kHeadDim, 1>(acc_dk, ds_frag[kk], smem_desc_sw128(sQ(stage) + kk * 16 * 128, Tr::kPanelQBytes, 1024), 1);
-        }
+        issue_dv();
+        issue_dk();
         wgmma_commit();
-
-        // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
-        // panel dq_q0 / 64, K rows kk * 16.. the K of MMA kk, K's columns dq_col0.. its N.
         named_barrier_sync(1, Tr::kConsumerThreads);
-        float acc_dq[kDQRegs];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            uint64_t const desc_ds = smem_desc_sw128(ds_buffer + (dq_q0 / 64) * Tr::kPanelDSBytes + kk * 16 * 128,
-                                                     Tr::kPanelDSBytes, 1024);
-            uint64_t const desc_kt = smem_desc_sw128(sK + (dq_col0 / 64) * Tr::kPanelKBytes + kk * 16 * 128,
-                                                     Tr::kPanelKBytes, 1024);
-            wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, desc_ds, desc_kt, kk > 0);
-        }
+        issue_dq();
         wgmma_commit();
         wgmma_wait<1>();  // dV and dK done: the stage's Q, dO, LSE and D are free
         fence_registers(acc_dv);
@@ -518,23 +621,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         mbar_arrive(empty(stage));
         wgmma_wait<0>();
         fence_registers(acc_dq);
-
-        // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
-        // the previous step's. Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4
-        // XOR row % 8 (= lane / 4 here).
-        if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
-        int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
-                int const col = dq_col0 + i * 8 + 2 * (lane % 4);
-                uint32_t const addr = sdQ + (col / 32) * Tr::kDQBoxBytes + (dq_row + 8 * half) * 128 +
-                                      ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
-                st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
-            }
-        fence_proxy_async();  // visible to the TMA (async proxy)
-        mbar_arrive(dq_full);
+        store_dq();
+#endif
     }
 
     // ---- dK (scaled) and dV of this consumer's keys.

@@ -363,11 +363,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
     // of the warpgroup, lane) holds rows 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
     // of each n8 slab of S and O (the wgmma accumulator layout).
     setmaxnreg_inc<Tr::kConsumerRegs>();
-    int const consumer = warpgroup - 1;
+    // Warp-uniform for the compiler (a shuffle from lane 0), so that the descriptors derived from it
+    // live in uniform registers.
+    int const consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     int const row_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
     float const scale_log2 = params.scale_log2;
     constexpr int kSRegs = kBlockN / 2, kORegs = kHeadDim / 2;
-    uint32_t const q_rows = sQ + consumer * 64 * 128;
+    // Descriptors of this consumer's Q rows and of stage 0's K (K-major) and V (MN-major, 64-column
+    // panels kPanelKVBytes apart), moved per stage and per MMA by offsets.
+    uint64_t const desc_q = smem_desc_sw128(sQ + consumer * 64 * 128, 16, 1024);
+    uint64_t const desc_k0 = smem_desc_sw128(sK(0), 16, 1024);
+    uint64_t const desc_v0 = smem_desc_sw128(sV(0), Tr::kPanelKVBytes, 1024);
     // The current tile (the lambdas below read these) and its running state.
     int m0 = 0, row0 = 0, n_block_max = 0;
     int seqlen_q = 0, seqlen_k = 0, diag = 0;  // the tile's sequence
@@ -381,22 +387,21 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
 
     // S = Q·Kᵀ of a stage into s, issued (the caller commits and waits).
     auto issue_qk = [&](int stage, float (&s)[kSRegs]) {
+        uint64_t const desc_k = smem_desc_moved(desc_k0, stage * 2 * Tr::kKVBytes);
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
             uint32_t const col = (k % 4) * 32;  // 16 columns = 32 bytes within the 128-byte panel rows
-            uint64_t const desc_q = smem_desc_sw128(q_rows + (k / 4) * Tr::kPanelQBytes + col, 16, 1024);
-            uint64_t const desc_k = smem_desc_sw128(sK(stage) + (k / 4) * Tr::kPanelKVBytes + col, 16, 1024);
-            wgmma_ss<Element, kBlockN, 0>(s, desc_q, desc_k, k > 0);
+            wgmma_ss<Element, kBlockN, 0>(s, smem_desc_moved(desc_q, (k / 4) * Tr::kPanelQBytes + col),
+                                          smem_desc_moved(desc_k, (k / 4) * Tr::kPanelKVBytes + col), k > 0);
         }
     };
     // O += P·V of a stage, issued: V rows kk * 16.. are the K of MMA kk, all head-dim columns its N
     // (MN-major, 64-column panels kPanelKVBytes apart).
     auto issue_pv = [&](int stage, const uint32_t (&p)[kBlockN / 16][4]) {
+        uint64_t const desc_v = smem_desc_moved(desc_v0, stage * 2 * Tr::kKVBytes);
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            uint64_t const desc_v = smem_desc_sw128(sV(stage) + kk * 16 * 128, Tr::kPanelKVBytes, 1024);
-            wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], desc_v, 1);
-        }
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+            wgmma_rs<Element, kHeadDim, 1>(acc_o, p[kk], smem_desc_moved(desc_v, kk * 16 * 128), 1);
     };
     // The online softmax of block n_block: softcap and ALiBi (common.cuh), masks (keys past
     // seqlen_k, whatever the TMA read there, and those outside the causal or local window; only on the

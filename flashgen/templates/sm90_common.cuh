@@ -90,6 +90,21 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// ---- Semaphores in global memory between CTAs (deterministic dQ order): an acquiring load and a
+// releasing add at GPU scope, with proxy fences so that the TMA reductions ordered by them (async
+// proxy) are ordered with the counter (generic proxy) too.
+__device__ __forceinline__ void semaphore_wait_eq(const int* counter, int value) {
+    int seen;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(__cvta_generic_to_global(counter)) : "memory");
+    } while (seen != value);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void semaphore_release_add(int* counter, int value) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(counter)), "r"(value) : "memory");
+}
+
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all wait here.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -119,6 +134,14 @@ __device__ __forceinline__ void fence_registers(float (&r)[N]) {
 __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return uint64_t((addr & 0x3ffff) >> 4) | (uint64_t((lbo >> 4) & 0x3fff) << 16) |
            (uint64_t((sbo >> 4) & 0x3fff) << 32) | (1ull << 62);
+}
+
+// The descriptor of the matrix `byte_offset` (a multiple of 16) past `desc`'s. The start-address
+// field is the low 14 bits, addr >> 4 (shared memory is below 256 KB), so a 32-bit add of
+// byte_offset >> 4 moves it with no carry out of the field: the loops build each operand's
+// descriptor once and move it per MMA by a constant, instead of masking and shifting an address.
+__device__ __forceinline__ uint64_t smem_desc_moved(uint64_t desc, uint32_t byte_offset) {
+    return (desc & 0xffffffff00000000ull) | uint32_t(uint32_t(desc) + (byte_offset >> 4));
 }
 
 }  // namespace flashgen

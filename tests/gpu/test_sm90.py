@@ -591,13 +591,113 @@ def test_sm90_bwd_head_dim_below_the_instance(monkeypatch, launched, dtype, head
     _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k)
 
 
-@pytest.mark.parametrize("kwargs", [pytest.param({"deterministic": True}, id="deterministic")])
-def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched, kwargs):
+def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched):
+    from test_varlen import cu
+
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 200, 200, 4, 4, 128, torch.bfloat16))
-    flashgen.flash_attn_func(q, k, v, causal=True, **kwargs).sum().backward()
+    lengths = cu([200])
+    seqused = torch.tensor([150], dtype=torch.int32, device="cuda")
+    flashgen.flash_attn_varlen_func(q[0], k[0], v[0], lengths, lengths, 200, 200, causal=True,
+                                    seqused_q=seqused, seqused_k=seqused).sum().backward()
     bwd = [u for u in launched if u.startswith("flash_bwd_s")]
     assert len(bwd) == 1 and bwd[0].startswith("flash_bwd_sm80_"), launched
+
+
+# Deterministic mode on the sm90 backward, in a child process: an ordering bug leaves a CTA spinning
+# on a dQ semaphore, and a hung kernel cannot be interrupted in this process. The child returns
+# DETERMINISTIC_PASSES backward passes of one forward, and the first batch element's (or sequence's)
+# gradients computed alone, which the fixed order makes bitwise equal to its share of the batch's.
+DETERMINISTIC_PASSES = 20
+_DETERMINISTIC_CHILD = """
+import sys, torch, flashgen
+from flashgen.runtime import interface
+uris = []
+launch = interface._launch
+interface._launch = lambda spec, *args, **kw: (uris.append(spec.uri), launch(spec, *args, **kw))[1]
+data = torch.load(sys.argv[1])
+kwargs, lengths = data["kwargs"], data["lengths"]
+
+def cu(ls):
+    return torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+def passes(q, k, v, dout, lengths_q, lengths_k, count):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    if lengths_q is None:
+        out = flashgen.flash_attn_func(*leaves, deterministic=True, pack_gqa=False, **kwargs)
+    else:
+        out = flashgen.flash_attn_varlen_func(*leaves, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k),
+                                              deterministic=True, pack_gqa=False, **kwargs)
+    return [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(count)]
+
+q, k, v, dout = (data[n] for n in ("q", "k", "v", "dout"))
+batch = passes(q, k, v, dout, *(lengths or (None, None)), int(sys.argv[3]))
+if lengths:
+    (lq, *_), (lk, *_) = lengths
+    alone = passes(q[:lq], k[:lk], v[:lk], dout[:lq], [lq], [lk], 1)[0]
+else:
+    alone = passes(q[:1], k[:1], v[:1], dout[:1], None, None, 1)[0]
+torch.cuda.synchronize()
+torch.save({"passes": batch, "alone": alone, "uris": uris}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, kwargs, lengths", [
+    pytest.param(128, 2, 300, 1023, 4, 4, {}, None, id="d128-none-sq300-sk1023"),
+    pytest.param(64, 2, 1023, 300, 8, 2, {"causal": True}, None, id="d64-gqa4-causal-sq1023-sk300"),
+    pytest.param(128, 2, 1023, 511, 8, 1, {"window_size": (100, 7), "softcap": 5.0}, None,
+                 id="d128-mqa-local-softcap-sq1023-sk511"),
+    pytest.param(96, 2, 255, 1023, 4, 4, {"causal": True, "alibi": True}, None, id="d96-causal-alibi-sq255-sk1023"),
+    # More CTAs than SMs: the ordering must not wait on blocks that are not resident yet.
+    pytest.param(128, 4, 2047, 2047, 16, 4, {"causal": True}, None, id="d128-gqa4-causal-many-ctas"),
+    pytest.param(64, 2, 4095, 4095, 16, 16, {}, None, id="d64-none-many-ctas"),
+    pytest.param(128, 0, 0, 0, 4, 2, {"causal": True}, ([300, 1, 700, 129], [500, 77, 700, 1]), id="varlen-causal"),
+    pytest.param(64, 0, 0, 0, 4, 4, {}, ([255, 1023, 64], [1023, 300, 2]), id="varlen-none"),
+])
+def test_sm90_bwd_deterministic(tmp_path, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, kwargs, lengths):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from test_bwd import check_grads
+    from test_varlen import check_sequence_grads
+
+    kwargs = dict(kwargs)
+    if lengths is None:
+        q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.bfloat16)
+        if kwargs.pop("alibi", False):  # per head, so that the first batch element alone takes them too
+            kwargs["alibi_slopes"] = torch.rand(nheads, device="cuda") * 0.3 + 0.01
+    else:
+        q, k, v = (torch.randn(sum(n), h, head_dim, dtype=torch.bfloat16, device="cuda")
+                   for n, h in ((lengths[0], nheads), (lengths[1], nheads_k), (lengths[1], nheads_k)))
+    dout = torch.randn_like(q)
+    inputs, outputs = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
+    torch.save({"q": q, "k": k, "v": v, "dout": dout, "kwargs": kwargs, "lengths": lengths}, inputs)
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    try:
+        child = subprocess.run([sys.executable, "-c", _DETERMINISTIC_CHILD, str(inputs), str(outputs),
+                                str(DETERMINISTIC_PASSES)], cwd=repo, env=env, capture_output=True, text=True,
+                               timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deterministic sm90 backward still running after 120 s: a CTA waits on a dQ semaphore "
+                    "that never reaches its turn")
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = torch.load(outputs)
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{sm90_bwd_instance_head_dim(head_dim)}_") for u in result["uris"]), \
+        result["uris"]
+    first = result["passes"][0]
+    for i, grads in enumerate(result["passes"][1:], 1):
+        for name, g, g0 in zip(("dq", "dk", "dv"), grads, first):
+            assert torch.equal(g, g0), f"{name} of deterministic pass {i} differs from pass 0"
+    rows = (lengths[0][0], lengths[1][0]) if lengths else (1, 1)
+    for name, g, g_alone, r in zip(("dq", "dk", "dv"), first, result["alone"], (rows[0], rows[1], rows[1])):
+        assert torch.equal(g[:r], g_alone), f"{name} of the first element differs when computed alone"
+    if lengths is None:
+        check_grads(q, k, v, dout, first, **kwargs)
+    else:
+        check_sequence_grads(q, k, v, dout, first, *lengths, **kwargs)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "local"])

@@ -1,0 +1,78 @@
+"""The sm90 backward's deterministic dQ order (bwd_sm90.cuh), modelled on the CPU.
+
+The kernel's key block n visits query blocks [m_block_min, m_block_max), the last first (and the
+query heads of its group within each), and in deterministic mode adds to query block m when the
+block's semaphore reaches its turn: n less the first key block that sees m. The model below restates
+those integer rules (the kernel's, line for line) and checks what the order needs: at every query
+block the turns of the visiting key blocks are exactly 0, 1, ..., so the counter reaches every turn
+once; a key block only waits for blocks launched before it (lower blockIdx.x), so the waits end
+however few CTAs are resident; and a block's predecessor at a query block reaches it at the same
+step or sooner, so that blocks running side by side wait only at the start.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashgen.generator.tiles import bwd_tile
+from flashgen.runtime.dispatch import resolve_mask
+
+BLOCK_N = 128
+
+
+def visited_query_blocks(n, seqlen_q, seqlen_k, block_m, mask, window_left, window_right):
+    """range(m_block_min, m_block_max) of key block n (flash_bwd_sm90's producer prologue)."""
+    diag = seqlen_k - seqlen_q
+    m_blocks = -(-seqlen_q // block_m)
+    key0 = n * BLOCK_N
+    m_min, m_max = 0, m_blocks
+    if mask != "none":
+        first_query = key0 - diag - window_right
+        m_min = 0 if first_query <= 0 else min(int(first_query / block_m), m_blocks)  # C truncation, >= 0 here
+        if mask == "local":
+            last_query = key0 + BLOCK_N - 1 - diag + window_left
+            m_max = 0 if last_query < 0 else min(int(last_query / block_m) + 1, m_blocks)
+    return range(m_min, max(m_max, m_min))
+
+
+def turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left):
+    """The semaphore value key block n waits for at query block m (the dQ writer)."""
+    if mask != "local":
+        return n
+    first_key = m * block_m + (seqlen_k - seqlen_q) - window_left
+    return n - (int(first_key / BLOCK_N) if first_key > 0 else 0)
+
+
+def check_order(seqlen_q, seqlen_k, block_m, causal, window_size, qhpk=1):
+    mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
+    n_blocks = -(-seqlen_k // BLOCK_N)
+    arrivals: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (m, head) -> (turn, n, step)
+    for n in range(n_blocks):
+        blocks = visited_query_blocks(n, seqlen_q, seqlen_k, block_m, mask, window_left, window_right)
+        steps = [(m, head) for m in reversed(blocks) for head in range(qhpk)]
+        for step, (m, head) in enumerate(steps):
+            arrivals.setdefault((m, head), []).append(
+                (turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left), n, step))
+    for tile, seen in arrivals.items():
+        seen.sort()
+        assert [t for t, _, _ in seen] == list(range(len(seen))), (tile, seen)
+        for (_, before, step_before), (_, after, step_after) in zip(seen, seen[1:]):
+            assert before < after, (tile, seen)  # launched earlier: blockIdx.x is the key block
+            assert step_before <= step_after, (tile, seen)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal, window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (33, 7)),
+                                                 (False, (-1, 5)), (False, (300, 0)), (False, (0, 0))])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 1023), (1023, 1), (113, 255), (1023, 1023), (4096, 4096),
+                                                (300, 1023), (1023, 300)])
+def test_deterministic_order(head_dim, causal, window_size, seqlen_q, seqlen_k):
+    check_order(seqlen_q, seqlen_k, bwd_tile("sm90", "sm_90a", head_dim).block_m, causal, window_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seqlen_q=st.integers(1, 3000), seqlen_k=st.integers(1, 3000), block_m=st.sampled_from([64, 128]),
+       causal=st.booleans(), left=st.integers(-1, 2000), right=st.integers(-1, 2000), qhpk=st.sampled_from([1, 4]))
+def test_deterministic_order_any_shape(seqlen_q, seqlen_k, block_m, causal, left, right, qhpk):
+    check_order(seqlen_q, seqlen_k, block_m, causal, (left, right), qhpk)
