@@ -174,6 +174,17 @@ def flash_attn_impl() -> Impl:
     return Impl("flash-attn", prefill, decode)
 
 
+def fa4_impl() -> Impl:
+    """FlashAttention-4 (``flash_attn.cute``, CuTe DSL; its sm90 kernels on Hopper). Each
+    configuration compiles on its first call (a few seconds), which the suites' warm-up absorbs."""
+    from flash_attn.cute import flash_attn_func as fa4_func
+
+    def prefill(x: PrefillInputs):
+        return lambda: fa4_func(x.q, x.k, x.v, causal=x.causal)[0]
+
+    return Impl("fa4", prefill=prefill)
+
+
 def flashinfer_impl() -> Impl:
     import flashinfer
 
@@ -220,6 +231,7 @@ def load(names, flex_dynamic: bool = True) -> tuple[list[Impl], dict[str, str]]:
         "sdpa-efficient": lambda: sdpa_impl("sdpa-efficient", "EFFICIENT_ATTENTION"),
         "flex": lambda: flex_impl(flex_dynamic),
         "flash-attn": flash_attn_impl,
+        "fa4": fa4_impl,
         "flashinfer": flashinfer_impl,
     }
     impls, missing = [flashgen_impl()], {}

@@ -15,8 +15,9 @@ FLASHGEN = "flashgen"
 MODES = ("fwd", "bwd", "fwd_bwd")  # bwd: the backward alone, after one untimed forward
 DTYPES = ("bf16", "fp16")
 MASKS = ("none", "causal")
-# Every implementation besides flashgen, in table order.  flash-attn and FlashInfer join when importable.
-PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "flash-attn", "flashinfer")
+# Every implementation besides flashgen, in table order.  flash-attn, FlashAttention-4 (fa4:
+# flash_attn.cute) and FlashInfer join when importable.
+PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "flash-attn", "fa4", "flashinfer")
 
 # Decode calls are also replayed from a CUDA graph; below this the graph's figure is the headline,
 # since an eager call that short measures the host's launch path, not the kernel.
