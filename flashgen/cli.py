@@ -207,8 +207,18 @@ def build_command(
             f"compile time {sum(r.seconds for r in compiled):.1f} s in all; slowest: "
             + ", ".join(f"{r.spec.uri} {r.seconds:.1f} s" for r in slowest)
         )
+    configured = config.cache_dir()
+    elsewhere: dict[Path, int] = {}
+    for r in results:
+        if r.error is None and r.cache_dir != configured:
+            elsewhere[r.cache_dir] = elsewhere.get(r.cache_dir, 0) + 1
+    for directory, count in elsewhere.items():
+        # The fallback's warning above says why; a deployment copying `configured` would miss them.
+        click.echo(f"{count} kernels are not in the cache {configured} but in {directory}: set "
+                   f"FLASHGEN_CACHE_DIR to a folder you can write", err=True)
     if failed:
         _report_failures(failed)
+    if failed or elsewhere:
         ctx.exit(1)
 
 
@@ -224,20 +234,27 @@ def cache_info_command() -> None:
     click.echo(f"directory: {info.directory}")
     click.echo(f"entries:   {info.entries}")
     click.echo(f"size:      {info.bytes / 2**20:.1f} MiB")
-    # Probe only (no folder is created): where would a compile write a new kernel?
-    reason = cache.unwritable_reason(info.directory)
+    # Where would a compile write a new kernel?
+    refused = cache.untrusted_reason(info.directory)
+    reason = refused or cache.unwritable_reason(info.directory)
     if reason is not None:
         fallback = cache.fallback_cache_dir()
         there = cache.cache_info(fallback)
-        click.echo(f"writes:    {fallback} (the directory above is not writable: {reason}; "
+        what = ("reads and writes", "not used") if refused else ("writes", "not writable")
+        click.echo(f"{what[0] + ':':<11}{fallback} (the directory above is {what[1]}: {reason}; "
                    f"{there.entries} entries, {there.bytes / 2**20:.1f} MiB there)")
 
 
 @cache_group.command("clear")
-def cache_clear_command() -> None:
-    """Remove every cached kernel."""
-    removed = cache.clear_cache()
-    click.echo(f"removed {removed} entries from {config.cache_dir()}")
+@click.pass_context
+def cache_clear_command(ctx: click.Context) -> None:
+    """Remove every cached kernel (never following links)."""
+    result = cache.clear_cache()
+    click.echo(f"removed {result.removed} entries from {config.cache_dir()}")
+    for path, reason in result.failed:
+        click.echo(f"could not remove {path}: {reason}", err=True)
+    if result.failed:
+        ctx.exit(1)
 
 
 def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from flashgen.cli import MANIFEST, cli
-from flashgen.generator import matrix, render
+from flashgen.generator import cache, matrix, render
 from flashgen.generator.nvrtc import CompileError
 
 ONE_URI_FILTER = "sm80_hdim64_bf16_sm80"  # the plain bf16 d64 instance for sm_80 only
@@ -104,6 +108,52 @@ def test_doctor_runs_anywhere(fresh_cache):
     for label in ("python:", "torch:", "gpu:", "driver:", "nvrtc:", "cuda headers:", "cache:"):
         assert label in output
     assert f"{fresh_cache} (writable)" in output
+
+
+@pytest.fixture
+def temp_root(monkeypatch, tmp_path) -> Path:
+    """tempfile's folder (where the fallback cache goes) in tmp_path, and no folder decided."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setattr(cache, "_read_dirs", {})
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    return root
+
+
+def test_build_fails_when_entries_land_in_the_fallback(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
+    real_probe = cache.unwritable_reason
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d))
+    args = ("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    fallback = temp_root / f"flashgen-{os.getuid()}"
+    for summary in ("0 cached, 1 compiled", "1 cached, 0 compiled"):  # compiled there, then found there
+        result = run(*args, expect=1)
+        assert summary in result.output
+        assert f"1 kernels are not in the cache {fresh_cache} but in {fallback}" in result.output
+
+
+def test_build_fails_when_an_entry_cannot_be_stored(fake_nvrtc, fresh_cache, monkeypatch):
+    real_open = os.open
+
+    def no_lock(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_lock)
+    result = run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1", expect=1)
+    assert "1 failed" in result.output and "Too many open files" in result.output
+
+
+def test_cache_clear_reports_what_it_could_not_remove(fake_nvrtc, fresh_cache, tmp_path):
+    run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (fresh_cache / "flash_fwd_linked").symlink_to(elsewhere, target_is_directory=True)
+    result = run("cache", "clear", expect=1)
+    assert "removed 1 entries" in result.output
+    assert f"could not remove {fresh_cache / 'flash_fwd_linked'}: a link" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU path of demo")
