@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -12,8 +13,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import flashgen
+from flashgen import cli as cli_module
 from flashgen.cli import MANIFEST, cli
-from flashgen.generator import cache, matrix, render
+from flashgen.generator import cache, matrix, nvrtc, render
 from flashgen.generator.nvrtc import CompileError
 
 ONE_URI_FILTER = "sm80_hdim64_bf16_sm80"  # the plain bf16 d64 instance for sm_80 only
@@ -104,10 +107,59 @@ def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
 
 
 def test_doctor_runs_anywhere(fresh_cache):
-    output = run("doctor").output
+    expect = 0 if torch.cuda.is_available() else 1  # without a GPU it lists a fix
+    output = run("doctor", expect=expect).output
     for label in ("python:", "torch:", "gpu:", "driver:", "nvrtc:", "cuda headers:", "cache:"):
         assert label in output
     assert f"{fresh_cache} (writable)" in output
+    assert ("to fix:" in output) == bool(expect)
+
+
+@pytest.fixture
+def healthy_machine(monkeypatch, fresh_cache):
+    """An H200 with a CUDA 13.5 driver, NVRTC 13.5 and its headers, as doctor sees them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA 13.5", (13, 5), None))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 5))
+    monkeypatch.setattr(nvrtc, "cuda_include_dir", lambda: Path("/usr/local/cuda/include"))
+
+
+def test_doctor_exits_zero_when_nothing_needs_fixing(healthy_machine):
+    assert "everything flashgen needs was found" in run("doctor").output
+
+
+@pytest.mark.parametrize(
+    "nvrtc_version, driver, advice",
+    [
+        ((13, 0), (12, 8), "pip install 'flashgen[cu12]')"),
+        ((12, 9), (12, 4), "pip install 'flashgen[cu12]' 'nvidia-cuda-nvrtc-cu12==12.4.*'"),
+        ((13, 1), (13, 0), "pip install 'nvidia-cuda-nvrtc==13.0.*'"),
+    ],
+)
+def test_doctor_advises_the_nvrtc_of_the_driver(healthy_machine, monkeypatch, nvrtc_version, driver, advice):
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: nvrtc_version)
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA", driver, None))
+    output = run("doctor", expect=1).output
+    assert advice in output and "nvidia-cuda-nvrtc==12" not in output
+
+
+def test_doctor_names_a_refused_cache(healthy_machine, fresh_cache):
+    fresh_cache.mkdir()
+    fresh_cache.chmod(0o777)
+    output = run("doctor", expect=1).output
+    assert f"{fresh_cache} (not used: writable by every user)" in output
+
+
+def test_version(monkeypatch):
+    assert run("--version").output == f"flashgen {importlib.metadata.version('flashgen')}\n"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # run from a source tree
+    assert run("--version").output == f"flashgen {flashgen.__version__}\n"
 
 
 @pytest.fixture
