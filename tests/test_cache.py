@@ -647,3 +647,12 @@ def test_build_reports_where_each_entry_landed(fake_nvrtc, fresh_cache, temp_roo
     monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d))
     (moved,) = cache.build([OTHER_SPEC], jobs=1)
     assert moved.error is None and moved.cache_dir == fallback_dir(temp_root)
+
+
+def test_write_dir_decided_first_decides_the_read_dir(fresh_cache, temp_root):
+    """write_dir needs read_dir's decision: asked first, it must not deadlock on the shared lock."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(cache.write_dir()), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert result == [fresh_cache] and cache._read_dirs == {fresh_cache: fresh_cache}

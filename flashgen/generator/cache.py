@@ -99,7 +99,7 @@ _cubins: dict[tuple[KernelSpec, tuple[str, ...]], bytes] = {}
 # first miss, probing the folder once, so a read-only folder costs one warning, not a probe per call).
 _read_dirs: dict[Path, Path] = {}
 _write_dirs: dict[Path, Path] = {}
-_dirs_lock = threading.Lock()
+_dirs_lock = threading.RLock()  # reentrant: deciding the write folder decides the read folder
 
 # One lock per entry for the threads of this process, taken before the entry's file lock: where
 # file locks are per process (fcntl/POSIX locks, some network file systems) the file lock alone
