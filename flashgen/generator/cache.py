@@ -219,14 +219,15 @@ def untrusted_reason(directory: Path) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return None
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        # Without the sticky bit anyone may rename this user's per-kernel folders and put theirs.
+        # Without the sticky bit anyone may swap a per-kernel folder between its check and a read.
         return "writable by every user"
     return _owner_problem(st)
 
 
 def _check_entry_dir(directory: Path) -> None:
-    """Raise OSError unless ``directory`` is a real folder (not a link) that only this user or root
-    can write to.  Even the sticky bit does not stop another user from adding an entry here."""
+    """Raise OSError unless ``directory`` is a real folder (not a link) owned by this user or root
+    and not writable by every user (the sticky bit would not stop anyone adding an entry).  Group
+    write is accepted: folders made under a umask of 002 (user-private groups) have it."""
     st = os.lstat(directory)
     if stat.S_ISLNK(st.st_mode):
         raise OSError(errno.ELOOP, "a link, which flashgen does not follow", str(directory))
