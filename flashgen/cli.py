@@ -5,6 +5,7 @@ and build without --arch).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -52,7 +53,25 @@ def _directions(direction: str | None) -> list[str] | None:
     return [direction] if direction else None
 
 
+def _version() -> str:
+    """The installed distribution's version; the package's own when run from a source tree."""
+    try:
+        return importlib.metadata.version("flashgen")
+    except importlib.metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"flashgen {_version()}")
+        ctx.exit()
+
+
 @click.group()
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 @click.option("-v", "--verbose", count=True, help="Show flashgen's log (-v: info, -vv: debug).")
 def cli(verbose: int) -> None:
     """flashgen: FlashAttention kernels generated from templates and compiled with NVRTC."""
@@ -207,8 +226,18 @@ def build_command(
             f"compile time {sum(r.seconds for r in compiled):.1f} s in all; slowest: "
             + ", ".join(f"{r.spec.uri} {r.seconds:.1f} s" for r in slowest)
         )
+    configured = config.cache_dir()
+    elsewhere: dict[Path, int] = {}
+    for r in results:
+        if r.error is None and r.cache_dir != configured:
+            elsewhere[r.cache_dir] = elsewhere.get(r.cache_dir, 0) + 1
+    for directory, count in elsewhere.items():
+        # The fallback's warning above says why; a deployment copying `configured` would miss them.
+        click.echo(f"{count} kernels are not in the cache {configured} but in {directory}: set "
+                   f"FLASHGEN_CACHE_DIR to a folder you can write", err=True)
     if failed:
         _report_failures(failed)
+    if failed or elsewhere:
         ctx.exit(1)
 
 
@@ -224,20 +253,27 @@ def cache_info_command() -> None:
     click.echo(f"directory: {info.directory}")
     click.echo(f"entries:   {info.entries}")
     click.echo(f"size:      {info.bytes / 2**20:.1f} MiB")
-    # Probe only (no folder is created): where would a compile write a new kernel?
-    reason = cache.unwritable_reason(info.directory)
+    # Where would a compile write a new kernel?
+    refused = cache.untrusted_reason(info.directory)
+    reason = refused or cache.unwritable_reason(info.directory)
     if reason is not None:
         fallback = cache.fallback_cache_dir()
         there = cache.cache_info(fallback)
-        click.echo(f"writes:    {fallback} (the directory above is not writable: {reason}; "
+        what = ("reads and writes", "not used") if refused else ("writes", "not writable")
+        click.echo(f"{what[0] + ':':<11}{fallback} (the directory above is {what[1]}: {reason}; "
                    f"{there.entries} entries, {there.bytes / 2**20:.1f} MiB there)")
 
 
 @cache_group.command("clear")
-def cache_clear_command() -> None:
-    """Remove every cached kernel."""
-    removed = cache.clear_cache()
-    click.echo(f"removed {removed} entries from {config.cache_dir()}")
+@click.pass_context
+def cache_clear_command(ctx: click.Context) -> None:
+    """Remove every cached kernel (never following links)."""
+    result = cache.clear_cache()
+    click.echo(f"removed {result.removed} entries from {config.cache_dir()}")
+    for path, reason in result.failed:
+        click.echo(f"could not remove {path}: {reason}", err=True)
+    if result.failed:
+        ctx.exit(1)
 
 
 def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:
@@ -260,8 +296,9 @@ def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:
 
 
 @cli.command()
-def doctor() -> None:
-    """Check what flashgen needs, and say how to fix what is missing."""
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Check what flashgen needs, and say how to fix what is missing (exit status 1 then)."""
     fixes: list[str] = []
 
     def row(name: str, value: str) -> None:
@@ -299,15 +336,16 @@ def doctor() -> None:
         nvrtc_version = nvrtc.nvrtc_version()
     except Exception as exc:  # libnvrtc missing: cuda.pathfinder raises its own error types
         row("nvrtc", f"not usable ({exc})")
-        fixes.append("pip install nvidia-cuda-nvrtc cuda-bindings")
+        fixes.append("pip install nvidia-cuda-nvrtc cuda-bindings (for a CUDA 12 driver: "
+                     "pip install 'flashgen[cu12]')")
     else:
         row("nvrtc", "{}.{}".format(*nvrtc_version))
         if driver_version is not None and nvrtc_version > driver_version:
             nvrtc_text, driver_cuda = ("{}.{}".format(*v) for v in (nvrtc_version, driver_version))
+            install = _nvrtc_install(nvrtc_version, driver_version)
             fixes.append(
                 f"NVRTC {nvrtc_text} is newer than the driver's CUDA {driver_cuda}, so its cubins "
-                f"may not load: install the matching NVRTC "
-                f"(pip install 'nvidia-cuda-nvrtc=={driver_cuda}.*') or update the driver"
+                f"may not load: install the matching NVRTC ({install}) or update the driver"
             )
         include_dir = nvrtc.cuda_include_dir()
         row("cuda headers", str(include_dir) if include_dir else "not found")
@@ -315,8 +353,14 @@ def doctor() -> None:
             fixes.append(nvrtc.INSTALL_HEADERS_HINT)
 
     directory = config.cache_dir()
-    problem = cache.unwritable_reason(directory)
-    row("cache", f"{directory} ({'writable' if problem is None else 'not writable: ' + problem})")
+    refused = cache.untrusted_reason(directory)
+    problem = None if refused else cache.unwritable_reason(directory)
+    if refused:
+        row("cache", f"{directory} (not used: {refused})")
+        fixes.append(f"set FLASHGEN_CACHE_DIR to a folder only you (or root) can write (until then "
+                     f"kernels are read from and cached in {cache.fallback_cache_dir()})")
+    else:
+        row("cache", f"{directory} ({'writable' if problem is None else 'not writable: ' + problem})")
     if problem is not None:
         fixes.append(f"set FLASHGEN_CACHE_DIR to a writable folder (until then new kernels are "
                      f"cached in {cache.fallback_cache_dir()})")
@@ -338,8 +382,18 @@ def doctor() -> None:
         click.echo("\nto fix:")
         for fix in fixes:
             click.echo(f"  - {fix}")
-    else:
-        click.echo("\neverything flashgen needs was found")
+        ctx.exit(1)
+    click.echo("\neverything flashgen needs was found")
+
+
+def _nvrtc_install(nvrtc_version: tuple[int, int], driver_version: tuple[int, int]) -> str:
+    """The pip command for the NVRTC that matches the driver's CUDA version."""
+    major, minor = driver_version
+    if major != 12:
+        return f"pip install 'nvidia-cuda-nvrtc=={major}.{minor}.*'"
+    if nvrtc_version[0] != 12:
+        return "pip install 'flashgen[cu12]'"  # NVRTC, headers and cuda-bindings of CUDA 12
+    return f"pip install 'flashgen[cu12]' 'nvidia-cuda-nvrtc-cu12=={major}.{minor}.*'"
 
 
 def _demo_specs() -> list[KernelSpec]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.generator import cache, nvrtc
+from flashgen import config
+from flashgen.generator import cache, nvrtc, render
 from flashgen.generator.spec import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm80", "sm_80", "bf16", 64)
@@ -39,6 +42,14 @@ KEY_FIELDS = dict(
 
 def entry_files(directory: Path, suffix: str) -> list[Path]:
     return sorted(directory.rglob(f"*{suffix}"))
+
+
+def entry_of(spec: KernelSpec, root: Path | None = None, version=None) -> cache._Entry:
+    """The entry get_cubin uses for ``spec`` (under the configured folder unless ``root``)."""
+    return cache._entry(
+        spec, render.render_instance(spec), render.header_sources(), cache.compile_options(),
+        version or nvrtc.nvrtc_version(), config.cache_dir() if root is None else root,
+    )
 
 
 def test_key_is_stable():
@@ -143,8 +154,8 @@ def test_unreadable_entry_is_a_miss(fake_nvrtc, fresh_cache, caplog):
     cache.get_cubin(SPEC)
     (cubin_path,) = entry_files(fresh_cache, ".cubin")
     cubin_path.unlink()
-    cubin_path.mkdir()  # reading it now raises IsADirectoryError, an OSError
-    assert cache._read_cubin(cubin_path) is None
+    cubin_path.mkdir()  # not a regular file
+    assert cache._read_cubin(entry_of(SPEC)) is None
     assert "cannot read cache entry" in caplog.text
 
 
@@ -249,7 +260,7 @@ def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
     assert info.directory == fresh_cache and info.entries == 2
     assert info.bytes >= 2 * len(fake_nvrtc.cubin(SPEC.uri))
     (fresh_cache / "notes.txt").write_text("not flashgen's")  # a shared folder keeps its files
-    assert cache.clear_cache() == 2
+    assert cache.clear_cache() == cache.ClearResult(removed=2, failed=[])
     assert cache.cache_info().entries == 0
     assert [p.name for p in fresh_cache.iterdir()] == ["notes.txt"]
     cache.get_cubin(SPEC)  # the in-process memo was cleared too
@@ -262,6 +273,7 @@ def temp_root(monkeypatch, tmp_path) -> Path:
     root = tmp_path / "tmp"
     root.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setattr(cache, "_read_dirs", {})
     monkeypatch.setattr(cache, "_write_dirs", {})
     return root
 
@@ -358,7 +370,7 @@ def test_concurrent_threads_compile_once(fake_nvrtc, fresh_cache, monkeypatch, f
     """Two threads ask for the same missing kernel at once: one compiles, both get it.  With the
     file lock made a no-op, the in-process lock alone must keep it to one compile."""
     if file_lock == "no-op":
-        monkeypatch.setattr(cache.filelock, "FileLock", lambda path: contextlib.nullcontext())
+        monkeypatch.setattr(cache, "_file_lock", lambda path: contextlib.nullcontext())
     real_compile = fake_nvrtc.compile_cubin
 
     def slow_compile(*args, **kwargs):
@@ -455,3 +467,192 @@ def test_disable_jit_still_loads_hits_and_builds(fake_nvrtc, fresh_cache, monkey
     assert result.error is None and not result.cached
     assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
     assert fake_nvrtc.calls == [SPEC.uri]
+
+
+# --- An entry is bound to its kernel -------------------------------------------------------------
+
+def test_frame_carries_the_key_and_the_uri(fake_nvrtc, fresh_cache):
+    cache.get_cubin(SPEC)
+    entry = entry_of(SPEC)
+    data = entry.path(".cubin").read_bytes()
+    magic, key, uri_length, length, _ = cache._FRAME.unpack_from(data)
+    assert magic == cache._MAGIC and key.hex() == entry.key
+    assert data[cache._FRAME.size:cache._FRAME.size + uri_length] == SPEC.uri.encode()
+    assert length == len(fake_nvrtc.cubin(SPEC.uri))
+    assert json.loads(entry.path(".json").read_text())["key"] == entry.key
+
+
+@pytest.mark.parametrize("how", ["copied", "linked"])
+def test_another_kernels_entry_is_a_miss_never_a_load(fake_nvrtc, fresh_cache, monkeypatch, caplog, how):
+    """A valid frame put under another kernel's name (same folder layout, other key and URI)."""
+    cache.get_cubin(SPEC)
+    mine, other = entry_of(SPEC), entry_of(OTHER_SPEC)
+    other.directory.mkdir(parents=True)
+    if how == "copied":
+        other.path(".cubin").write_bytes(mine.path(".cubin").read_bytes())
+    else:
+        other.path(".cubin").symlink_to(mine.path(".cubin"))
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        assert cache.get_cubin(OTHER_SPEC) == fake_nvrtc.cubin(OTHER_SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri, OTHER_SPEC.uri]
+    expected = f"holds the kernel {SPEC.uri}" if how == "copied" else "Too many levels of symbolic links"
+    assert expected in caplog.text and str(other.path(".cubin")) in caplog.text
+
+
+def test_same_uri_other_key_is_a_miss(fake_nvrtc, fresh_cache, monkeypatch, caplog):
+    """An entry of the same kernel built with other options, renamed to this key's file name."""
+    monkeypatch.setenv("FLASHGEN_NVRTC_EXTRA_OPTIONS", "-G")
+    cache.get_cubin(SPEC)
+    debug = entry_of(SPEC)
+    monkeypatch.delenv("FLASHGEN_NVRTC_EXTRA_OPTIONS")
+    plain = entry_of(SPEC)
+    debug.path(".cubin").rename(plain.path(".cubin"))
+    with caplog.at_level(logging.WARNING, logger="flashgen"):
+        cache.get_cubin(SPEC)
+    assert fake_nvrtc.calls == [SPEC.uri, SPEC.uri]
+    assert f"(key {debug.key}), not this one" in caplog.text
+
+
+def test_schema_1_entries_are_not_read(fake_nvrtc, fresh_cache):
+    """The first format (magic, length, digest: no key) is another schema, so another file name."""
+    entry = entry_of(SPEC)
+    assert cache.SCHEMA_VERSION == 2 and cache._MAGIC == b"FGCUBIN2"
+    entry.directory.mkdir(parents=True)
+    payload = fake_nvrtc.cubin(SPEC.uri)
+    old = struct.pack("<8sQ32s", b"FGCUBIN1", len(payload), hashlib.sha256(payload).digest()) + payload
+    entry.path(".cubin").write_bytes(old)
+    assert cache._read_cubin(entry) is None
+
+
+# --- Permissions ---------------------------------------------------------------------------------
+
+def test_entries_are_readable_by_others_whatever_the_umask(fake_nvrtc, fresh_cache):
+    old = os.umask(0o077)
+    try:
+        cache.get_cubin(SPEC)
+    finally:
+        os.umask(old)
+    entry = entry_of(SPEC)
+    assert fresh_cache.stat().st_mode & 0o777 == 0o755
+    assert entry.directory.stat().st_mode & 0o777 == 0o755
+    for suffix in (".cubin", ".json", ".cu"):
+        assert entry.path(suffix).stat().st_mode & 0o777 == 0o644, suffix
+
+
+# --- Stale temp files ----------------------------------------------------------------------------
+
+def test_stale_temp_files_are_swept_when_the_folder_is_written(fake_nvrtc, fresh_cache, monkeypatch):
+    cache.get_cubin(SPEC)
+    directory = entry_of(SPEC).directory
+    stale, fresh = directory / ".x.cubin.dead.tmp", directory / ".y.json.live.tmp"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"being written")
+    old = time.time() - cache.STALE_TEMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    target = fresh_cache / "elsewhere"
+    target.write_text("kept")
+    link = directory / ".z.cu.link.tmp"
+    link.symlink_to(target)
+    os.utime(link, (old, old), follow_symlinks=False)
+    monkeypatch.setenv("FLASHGEN_NVRTC_EXTRA_OPTIONS", "-G")
+    cache.get_cubin(SPEC)  # another entry in the same folder
+    assert not stale.exists() and not os.path.lexists(link)
+    assert fresh.exists() and target.read_text() == "kept"
+
+
+def test_clear_removes_temp_files(fake_nvrtc, fresh_cache):
+    cache.get_cubin(SPEC)
+    (entry_of(SPEC).directory / ".x.cubin.dead.tmp").write_bytes(b"half")
+    cache.clear_cache()
+    assert not list(fresh_cache.rglob("*.tmp"))
+
+
+# --- A prebuilt cache without NVRTC --------------------------------------------------------------
+
+def nvrtc_unloadable(monkeypatch) -> None:
+    def missing():
+        raise nvrtc.NvrtcNotFoundError(OSError("libnvrtc.so.13: cannot open shared object file"))
+
+    monkeypatch.setattr(nvrtc, "nvrtc_version", missing)
+
+
+@pytest.mark.parametrize("disable_jit", ["1", "0"])
+def test_prebuilt_cache_loads_without_nvrtc(fake_nvrtc, fresh_cache, monkeypatch, disable_jit):
+    cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cubins", {})  # another machine, sharing the cache, with no NVRTC
+    nvrtc_unloadable(monkeypatch)
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", disable_jit)
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri]
+    # A miss is still a miss: JIT disabled names the build command, else NVRTC's absence is the error.
+    error = cache.JitDisabledError if disable_jit == "1" else nvrtc.NvrtcNotFoundError
+    with pytest.raises(error):
+        cache.get_cubin(OTHER_SPEC)
+
+
+def test_without_nvrtc_every_other_key_field_must_match(fake_nvrtc, fresh_cache, monkeypatch, caplog):
+    """Found by URI, the entry must still carry the key made from this process's source, headers,
+    options and arch (with the NVRTC version its metadata names)."""
+    monkeypatch.setenv("FLASHGEN_NVRTC_EXTRA_OPTIONS", "-G")
+    cache.get_cubin(SPEC)
+    monkeypatch.delenv("FLASHGEN_NVRTC_EXTRA_OPTIONS")
+    monkeypatch.setattr(cache, "_cubins", {})
+    nvrtc_unloadable(monkeypatch)
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    with pytest.raises(cache.JitDisabledError):
+        cache.get_cubin(SPEC)  # other options: not this kernel
+    monkeypatch.setattr(render, "render_instance", lambda spec: "// another source")
+    monkeypatch.setenv("FLASHGEN_NVRTC_EXTRA_OPTIONS", "-G")
+    with pytest.raises(cache.JitDisabledError):
+        cache.get_cubin(SPEC)  # same options, other source
+
+
+def test_metadata_only_proposes_a_version(fake_nvrtc, fresh_cache, monkeypatch):
+    """Metadata claiming an NVRTC version is checked through the key: a frame for another key under
+    the claimed name is not loaded."""
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (12, 8))
+    cache.get_cubin(OTHER_SPEC)
+    forged = entry_of(SPEC, version=(12, 8))
+    forged.directory.mkdir(parents=True)
+    forged.path(".json").write_text(json.dumps({"nvrtc_version": [12, 8]}))
+    forged.path(".cubin").write_bytes(entry_of(OTHER_SPEC).path(".cubin").read_bytes())
+    nvrtc_unloadable(monkeypatch)
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    with pytest.raises(cache.JitDisabledError):
+        cache.get_cubin(SPEC)
+
+
+def test_disable_jit_accepts_another_nvrtc_version_newest_first(fake_nvrtc, fresh_cache, monkeypatch):
+    for version in [(12, 4), (12, 8)]:
+        monkeypatch.setattr(nvrtc, "nvrtc_version", lambda version=version: version)
+        monkeypatch.setattr(fake_nvrtc, "cubin", lambda name, v=version: b"\x7fELF%d.%d" % v)
+        monkeypatch.setattr(cache, "_cubins", {})
+        cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cubins", {})
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))  # the deployment's NVRTC differs
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    assert cache.get_cubin(SPEC) == b"\x7fELF12.8"
+    monkeypatch.delenv("FLASHGEN_DISABLE_JIT")  # with JIT, the exact key: compiled for 13.0
+    monkeypatch.setattr(cache, "_cubins", {})
+    monkeypatch.setattr(fake_nvrtc, "cubin", lambda name: b"\x7fELF13.0")
+    assert cache.get_cubin(SPEC) == b"\x7fELF13.0"
+
+
+def test_build_reports_where_each_entry_landed(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
+    (first,) = cache.build([SPEC], jobs=1)
+    (again,) = cache.build([SPEC], jobs=1)
+    assert first.cache_dir == again.cache_dir == fresh_cache and again.cached
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    real_probe = cache.unwritable_reason
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d))
+    (moved,) = cache.build([OTHER_SPEC], jobs=1)
+    assert moved.error is None and moved.cache_dir == fallback_dir(temp_root)
+
+
+def test_write_dir_decided_first_decides_the_read_dir(fresh_cache, temp_root):
+    """write_dir needs read_dir's decision: asked first, it must not deadlock on the shared lock."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(cache.write_dir()), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert result == [fresh_cache] and cache._read_dirs == {fresh_cache: fresh_cache}

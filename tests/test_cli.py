@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import collections
+import errno
+import importlib.metadata
 import json
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+import flashgen
+from flashgen import cli as cli_module
 from flashgen.cli import MANIFEST, cli
-from flashgen.generator import matrix, render
+from flashgen.generator import cache, matrix, nvrtc, render
 from flashgen.generator.nvrtc import CompileError
 
 ONE_URI_FILTER = "sm80_hdim64_bf16_sm80"  # the plain bf16 d64 instance for sm_80 only
@@ -100,10 +107,105 @@ def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
 
 
 def test_doctor_runs_anywhere(fresh_cache):
-    output = run("doctor").output
+    expect = 0 if torch.cuda.is_available() else 1  # without a GPU it lists a fix
+    output = run("doctor", expect=expect).output
     for label in ("python:", "torch:", "gpu:", "driver:", "nvrtc:", "cuda headers:", "cache:"):
         assert label in output
     assert f"{fresh_cache} (writable)" in output
+    assert ("to fix:" in output) == bool(expect)
+
+
+@pytest.fixture
+def healthy_machine(monkeypatch, fresh_cache):
+    """An H200 with a CUDA 13.5 driver, NVRTC 13.5 and its headers, as doctor sees them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA 13.5", (13, 5), None))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 5))
+    monkeypatch.setattr(nvrtc, "cuda_include_dir", lambda: Path("/usr/local/cuda/include"))
+
+
+def test_doctor_exits_zero_when_nothing_needs_fixing(healthy_machine):
+    assert "everything flashgen needs was found" in run("doctor").output
+
+
+@pytest.mark.parametrize(
+    "nvrtc_version, driver, advice",
+    [
+        ((13, 0), (12, 8), "pip install 'flashgen[cu12]')"),
+        ((12, 9), (12, 4), "pip install 'flashgen[cu12]' 'nvidia-cuda-nvrtc-cu12==12.4.*'"),
+        ((13, 1), (13, 0), "pip install 'nvidia-cuda-nvrtc==13.0.*'"),
+    ],
+)
+def test_doctor_advises_the_nvrtc_of_the_driver(healthy_machine, monkeypatch, nvrtc_version, driver, advice):
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: nvrtc_version)
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA", driver, None))
+    output = run("doctor", expect=1).output
+    assert advice in output and "nvidia-cuda-nvrtc==12" not in output
+
+
+def test_doctor_names_a_refused_cache(healthy_machine, fresh_cache):
+    fresh_cache.mkdir()
+    fresh_cache.chmod(0o777)
+    output = run("doctor", expect=1).output
+    assert f"{fresh_cache} (not used: writable by every user)" in output
+
+
+def test_version(monkeypatch):
+    assert run("--version").output == f"flashgen {importlib.metadata.version('flashgen')}\n"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # run from a source tree
+    assert run("--version").output == f"flashgen {flashgen.__version__}\n"
+
+
+@pytest.fixture
+def temp_root(monkeypatch, tmp_path) -> Path:
+    """tempfile's folder (where the fallback cache goes) in tmp_path, and no folder decided."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setattr(cache, "_read_dirs", {})
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    return root
+
+
+def test_build_fails_when_entries_land_in_the_fallback(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
+    real_probe = cache.unwritable_reason
+    monkeypatch.setattr(cache, "unwritable_reason", lambda d: "read-only" if d == fresh_cache else real_probe(d))
+    args = ("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    fallback = temp_root / f"flashgen-{os.getuid()}"
+    for summary in ("0 cached, 1 compiled", "1 cached, 0 compiled"):  # compiled there, then found there
+        result = run(*args, expect=1)
+        assert summary in result.output
+        assert f"1 kernels are not in the cache {fresh_cache} but in {fallback}" in result.output
+
+
+def test_build_fails_when_an_entry_cannot_be_stored(fake_nvrtc, fresh_cache, monkeypatch):
+    real_open = os.open
+
+    def no_lock(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_lock)
+    result = run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1", expect=1)
+    assert "1 failed" in result.output and "Too many open files" in result.output
+
+
+def test_cache_clear_reports_what_it_could_not_remove(fake_nvrtc, fresh_cache, tmp_path):
+    run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (fresh_cache / "flash_fwd_linked").symlink_to(elsewhere, target_is_directory=True)
+    result = run("cache", "clear", expect=1)
+    assert "removed 1 entries" in result.output
+    assert f"could not remove {fresh_cache / 'flash_fwd_linked'}: a link" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU path of demo")

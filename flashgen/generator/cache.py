@@ -2,7 +2,7 @@
 
 Layout under ``config.cache_dir()``::
 
-    <uri>/<key>.cubin   framed cubin: magic, payload length, sha256 of the payload, payload
+    <uri>/<key>.cubin   framed cubin: magic, key, URI, payload length, sha256, payload
     <uri>/<key>.cu      the rendered source (what CompileError points at)
     <uri>/<key>.json    metadata: spec, options, NVRTC version, compile seconds
     <uri>/<key>.lock    per-entry file lock
@@ -10,22 +10,49 @@ Layout under ``config.cache_dir()``::
 The URI makes the folder readable; the key (a digest of everything that decides the binary) makes
 the entry correct.  The cubin is written last, so an entry exists exactly when its cubin does.
 
-Faults never stop the caller: a corrupt or truncated cubin is a miss, logged and recompiled; an
-unwritable cache folder is still read, and new entries go to a per-user temporary folder (one
-warning); a failed write (a full disk) removes what it wrote and the compiled cubin is used from
-memory.  Hits take no lock, so a read-only prebuilt cache works (see FLASHGEN_DISABLE_JIT).
+An entry is bound to its kernel: the frame holds the key and the URI it was compiled for, and a
+cubin whose frame names another key or URI (one copied or linked under another name) is a miss,
+logged, never a load.
+
+Only this user or root may have written what is loaded.  A configured cache folder that is writable
+by every user (without the sticky bit) or owned by another user is not used at all: reads and writes
+go to the per-user fallback folder, with one warning.  A per-kernel folder must be a real folder
+owned by this user or root and not writable by every user; links are never followed (entries are
+opened with O_NOFOLLOW, folders checked with lstat, the lock file is opened by flashgen itself with
+O_NOFOLLOW and never truncated).  The configured folder itself may be a link.  The key is no
+secret, so this ownership rule, not the key, is what keeps planted code out.
+
+Faults never stop the caller: a corrupt, mismatched or truncated cubin is a miss, logged and
+recompiled; an unwritable cache folder is still read, and new entries go to a per-user temporary
+folder (one warning); a fault below the top folder (a per-kernel folder that is a file, a link or
+another user's, a lock that cannot be made, a full disk) is a warning, and the compiled cubin is used
+from memory.  Hits take no lock, so a read-only prebuilt cache works (see FLASHGEN_DISABLE_JIT).
+Files are written 0644 and folders 0755 whatever the umask, so a cache prebuilt by one user
+(root in an image, say) is readable by the others.
+
+A prebuilt cache needs no NVRTC: when NVRTC cannot be loaded, or FLASHGEN_DISABLE_JIT is set and the
+exact entry is missing, the entry is looked up by URI.  The metadata of the entries in the URI's
+folder proposes the NVRTC versions they were built with; for each, this process computes the key
+from its own schema, rendered source, headers, options and arch with that version, and loads the
+cubin only when its frame carries that key.  So everything in the key but NVRTC's version must match
+(the stored metadata is only a hint); the newest such version wins.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
+import stat
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -33,28 +60,46 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
-import filelock
-
 from .. import config
 from . import nvrtc, render
 from .spec import KernelSpec
 
+try:
+    import fcntl
+except ImportError:  # Windows: entries are locked with filelock there
+    fcntl = None
+
 logger = logging.getLogger("flashgen")
 
 # Bump when the key's fields, the fixed flags of nvrtc.compile_cubin or the entry format change.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-_MAGIC = b"FGCUBIN1"
-_FRAME = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
+_MAGIC = b"FGCUBIN2"
+# magic, key (sha256 digest), URI length, payload length, sha256(key + URI + payload); then the
+# URI, then the payload.
+_FRAME = struct.Struct("<8s32sHQ32s")
+
+# Temp files of writers that died (a killed build) are removed when their folder is next written.
+STALE_TEMP_SECONDS = 600
+
+_FILE_MODE = 0o644
+_DIR_MODE = 0o755
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # none on Windows, where making a link needs a privilege
+# O_NONBLOCK: opening a FIFO planted as an entry must not hang the caller.
+_OPEN_FLAGS = (
+    _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+)
 
 # Cubin bytes already found or built by this process, by (spec, options).  Options are part of the
 # memo key because FLASHGEN_NVRTC_EXTRA_OPTIONS may change while the process runs.
 _cubins: dict[tuple[KernelSpec, tuple[str, ...]], bytes] = {}
 
-# Where this process writes new entries, by configured cache folder: decided on the first miss
-# (probing the folder once), so a read-only folder costs one warning, not a probe per call.
+# Per configured cache folder: where this process reads entries (the folder, or the fallback when
+# the folder is refused: one stat on the first lookup) and where it writes new ones (decided on the
+# first miss, probing the folder once, so a read-only folder costs one warning, not a probe per call).
+_read_dirs: dict[Path, Path] = {}
 _write_dirs: dict[Path, Path] = {}
-_write_dirs_lock = threading.Lock()
+_dirs_lock = threading.RLock()  # reentrant: deciding the write folder decides the read folder
 
 # One lock per entry for the threads of this process, taken before the entry's file lock: where
 # file locks are per process (fcntl/POSIX locks, some network file systems) the file lock alone
@@ -73,14 +118,13 @@ class JitDisabledError(RuntimeError):
         super().__init__(
             f"kernel {spec.uri} is not in the cache {directory} and FLASHGEN_DISABLE_JIT=1 forbids "
             f"compiling it: build it into that cache with `{self.command}` (with the same "
-            f"FLASHGEN_CACHE_DIR, NVRTC version and FLASHGEN_NVRTC_EXTRA_OPTIONS), or unset "
-            f"FLASHGEN_DISABLE_JIT"
+            f"FLASHGEN_CACHE_DIR and FLASHGEN_NVRTC_EXTRA_OPTIONS), or unset FLASHGEN_DISABLE_JIT"
         )
 
 
 class CacheWriteError(OSError):
-    """A compiled cubin could not be stored (e.g. the disk is full).  Nothing of the entry is left
-    on disk; ``cubin`` holds the compiled binary."""
+    """A compiled cubin could not be stored (e.g. the disk is full, or the entry's folder is not
+    usable).  Nothing of the entry is left on disk; ``cubin`` holds the compiled binary."""
 
     def __init__(self, path: Path, cause: OSError, cubin: bytes):
         self.path = path
@@ -136,22 +180,78 @@ class _Entry:
 
 
 def _entry(
-    spec: KernelSpec, options: Sequence[str], headers: Mapping[str, str], root: Path | None = None
+    spec: KernelSpec,
+    source: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    version: tuple[int, int],
+    root: Path,
 ) -> _Entry:
-    """The entry of ``spec`` under ``root`` (default: the configured cache folder)."""
-    source = render.render_instance(spec)
-    version = nvrtc.nvrtc_version()
+    """The entry of ``spec`` compiled by NVRTC ``version`` under the cache folder ``root``."""
     key = cache_key(
         source=source, headers=headers, arch=spec.arch, options=options, nvrtc_version=version
     )
-    root = config.cache_dir() if root is None else root
     return _Entry(spec, source, headers, tuple(options), version, key, root / spec.uri)
+
+
+def _nvrtc_version() -> tuple[int, int] | None:
+    """NVRTC's version, None when NVRTC cannot be loaded (a prebuilt cache still serves hits)."""
+    try:
+        return nvrtc.nvrtc_version()
+    except nvrtc.NvrtcNotFoundError:
+        return None
+
+
+def _owner_problem(st: os.stat_result) -> str | None:
+    """Why a folder with this stat may hold code another user planted, as far as its owner goes."""
+    if hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
+        return f"owned by another user (uid {st.st_uid})"
+    return None
+
+
+def untrusted_reason(directory: Path) -> str | None:
+    """Why the cache folder ``directory`` is refused (flashgen neither reads nor writes it), None
+    when it is usable or does not exist yet.  It may be a link; what it points to is checked."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return None  # missing, or not reachable: it holds nothing to load, and the write probe says why
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        # Without the sticky bit anyone may swap a per-kernel folder between its check and a read.
+        return "writable by every user"
+    return _owner_problem(st)
+
+
+def _check_entry_dir(directory: Path) -> None:
+    """Raise OSError unless ``directory`` is a real folder (not a link) owned by this user or root
+    and not writable by every user (the sticky bit would not stop anyone adding an entry).  Group
+    write is accepted: folders made under a umask of 002 (user-private groups) have it."""
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "a link, which flashgen does not follow", str(directory))
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(directory))
+    problem = _owner_problem(st) or ("writable by every user" if st.st_mode & stat.S_IWOTH else None)
+    if problem is not None:
+        raise PermissionError(errno.EPERM, problem, str(directory))
+
+
+def _make_dir(directory: Path, mode: int = _DIR_MODE) -> None:
+    """Create ``directory`` (not its parents) with exactly ``mode``, whatever the umask."""
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        return
+    os.chmod(directory, mode)
 
 
 def unwritable_reason(directory: Path) -> str | None:
     """None when ``directory`` can be created and written, else why not."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        _make_dir(directory)
         with tempfile.TemporaryFile(dir=directory):
             return None
     except OSError as exc:
@@ -159,44 +259,71 @@ def unwritable_reason(directory: Path) -> str | None:
 
 
 def fallback_cache_dir() -> Path:
-    """The per-user temporary cache folder used when the configured one is not writable."""
+    """The per-user temporary cache folder used when the configured one is not usable."""
     user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
     return Path(tempfile.gettempdir()) / f"flashgen-{user}"
 
 
-def write_dir(configured: Path | None = None) -> Path:
-    """The folder new entries are written to: the configured cache folder when it is writable,
-    else the fallback (with one warning per process and folder)."""
+def _decided(memo: dict[Path, Path], configured: Path, choose) -> Path:
+    directory = memo.get(configured)
+    if directory is None:
+        with _dirs_lock:
+            if configured not in memo:
+                memo[configured] = choose(configured)
+        directory = memo[configured]
+    return directory
+
+
+def read_dir(configured: Path | None = None) -> Path:
+    """The folder entries are looked up in: the configured cache folder, or the fallback when the
+    configured one is refused (see untrusted_reason; one warning per process and folder)."""
     configured = config.cache_dir() if configured is None else configured
-    directory = _write_dirs.get(configured)
-    if directory is not None:
-        return directory
-    with _write_dirs_lock:
-        if configured not in _write_dirs:
-            _write_dirs[configured] = _choose_write_dir(configured)
-    return _write_dirs[configured]
+    return _decided(_read_dirs, configured, _choose_read_dir)
+
+
+def _choose_read_dir(configured: Path) -> Path:
+    reason = untrusted_reason(configured)
+    if reason is None:
+        return configured
+    fallback = fallback_cache_dir()
+    logger.warning(
+        "kernel cache %s is %s, so it may hold kernels another user planted: not using it; reading "
+        "and writing kernels in %s instead (set FLASHGEN_CACHE_DIR to a folder only you can write)",
+        configured, reason, fallback,
+    )
+    return fallback
+
+
+def write_dir(configured: Path | None = None) -> Path:
+    """The folder new entries are written to: the configured cache folder when it is usable and
+    writable, else the fallback (with one warning per process and folder)."""
+    configured = config.cache_dir() if configured is None else configured
+    return _decided(_write_dirs, configured, _choose_write_dir)
 
 
 def _choose_write_dir(configured: Path) -> Path:
-    reason = unwritable_reason(configured)
-    if reason is None:
+    refused = read_dir(configured) != configured  # already warned about
+    reason = None if refused else unwritable_reason(configured)
+    if not refused and reason is None:
         return configured
     fallback = fallback_cache_dir()
     # 0o700: another user must not be able to plant cubins that this user's jobs would run.
     with contextlib.suppress(OSError):
         fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fallback_reason = unwritable_reason(fallback)
+    fallback_reason = unwritable_reason(fallback) or untrusted_reason(fallback)
     if fallback_reason is None and hasattr(os, "getuid") and fallback.stat().st_uid != os.getuid():
         fallback_reason = "owned by another user"
     if fallback_reason is not None:
+        why = untrusted_reason(configured) if refused else f"not writable ({reason})"
         raise OSError(
-            f"the kernel cache {configured} is not writable ({reason}), nor is the fallback "
-            f"{fallback} ({fallback_reason}): set FLASHGEN_CACHE_DIR to a writable folder"
+            f"the kernel cache {configured} is {why}, and the fallback {fallback} is not usable "
+            f"({fallback_reason}): set FLASHGEN_CACHE_DIR to a writable folder"
         )
-    logger.warning(
-        "kernel cache %s is not writable (%s); reading it, and writing new kernels to %s "
-        "(set FLASHGEN_CACHE_DIR to a writable folder to keep them)", configured, reason, fallback
-    )
+    if not refused:
+        logger.warning(
+            "kernel cache %s is not writable (%s); reading it, and writing new kernels to %s "
+            "(set FLASHGEN_CACHE_DIR to a writable folder to keep them)", configured, reason, fallback
+        )
     return fallback
 
 
@@ -206,6 +333,36 @@ def _entry_lock(entry: _Entry) -> threading.Lock:
         return _entry_locks.setdefault(path, threading.Lock())
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on the file ``path``, created if missing.  POSIX: opened here with
+    O_NOFOLLOW and without O_TRUNC, so a planted link is an error (ELOOP) and never empties its
+    target, whatever filelock version is installed (3.x opens its lock files with O_TRUNC)."""
+    if fcntl is None:
+        import filelock
+
+        with filelock.FileLock(path):
+            yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, _FILE_MODE)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_entry_file(path: Path) -> bytes:
+    """The bytes of a regular file, never through a link (ELOOP)."""
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return file.read()
+
+
 def get_cubin(spec: KernelSpec) -> bytes:
     """The cubin of ``spec``: from this process's memo, else the disk cache, else compiled (and
     stored).  Raises nvrtc.CompileError when NVRTC rejects the instance."""
@@ -213,17 +370,58 @@ def get_cubin(spec: KernelSpec) -> bytes:
     cubin = _cubins.get((spec, options))
     if cubin is None:
         try:
-            cubin, _ = _load_or_compile(
+            cubin, _, _ = _load_or_compile(
                 spec, options, render.header_sources(), compile_on_miss=not config.disable_jit()
             )
         except CacheWriteError as exc:
-            # A training job or server must not stop because its cache disk filled up: the
-            # kernel is compiled, so use it; this process keeps it in memory, the next one
-            # recompiles.  (`flashgen build`, whose job is to fill the cache, reports it instead.)
+            # A training job or server must not stop because its cache disk filled up or an entry
+            # folder is broken: the kernel is compiled, so use it; this process keeps it in memory,
+            # the next one recompiles.  (`flashgen build`, whose job is to fill the cache, reports
+            # it instead.)
             logger.warning("%s; using the compiled kernel from memory", exc)
             cubin = exc.cubin
         _cubins[(spec, options)] = cubin
     return cubin
+
+
+def _lookup(
+    spec: KernelSpec,
+    source: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    version: tuple[int, int] | None,
+    root: Path,
+    any_nvrtc: bool,
+) -> bytes | None:
+    """The cubin of ``spec`` under ``root`` built by NVRTC ``version``.  When that one is missing and
+    ``any_nvrtc`` is set, or the version is None (NVRTC not loadable): the one built by the newest
+    NVRTC whose entry matches every other key field (see the module docstring)."""
+    if version is not None:
+        cubin = _read_cubin(_entry(spec, source, headers, options, version, root))
+        if cubin is not None or not any_nvrtc:
+            return cubin
+    for other in sorted(_stored_nvrtc_versions(root / spec.uri) - {version}, reverse=True):
+        entry = _entry(spec, source, headers, options, other, root)
+        cubin = _read_cubin(entry)
+        if cubin is not None:
+            logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *other)
+            return cubin
+    return None
+
+
+def _stored_nvrtc_versions(directory: Path) -> set[tuple[int, int]]:
+    """The NVRTC versions the metadata in an entry folder names: candidates, checked by the key."""
+    versions = set()
+    try:
+        _check_entry_dir(directory)
+        names = [e.name for e in os.scandir(directory) if e.name.endswith(".json")]
+    except OSError:
+        return versions
+    for name in names:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            major, minor = json.loads(_read_entry_file(directory / name))["nvrtc_version"]
+            versions.add((int(major), int(minor)))
+    return versions
 
 
 def _load_or_compile(
@@ -231,35 +429,59 @@ def _load_or_compile(
     options: Sequence[str],
     headers: Mapping[str, str],
     compile_on_miss: bool = True,
-) -> tuple[bytes, float | None]:
-    """(cubin, compile seconds), seconds None when it came from the disk cache.  Raises
-    JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT; `flashgen
-    build` always compiles), CacheWriteError when the compiled cubin could not be stored."""
+) -> tuple[bytes, float | None, Path | None]:
+    """(cubin, compile seconds, the cache folder holding the entry): seconds None when it came
+    from the disk cache, folder None when it could not be stored (a CacheWriteError caught by the
+    caller).  Raises JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT;
+    `flashgen build` always compiles), CacheWriteError when the compiled cubin could not be stored,
+    NvrtcNotFoundError on a miss without NVRTC."""
     configured = config.cache_dir()
-    entry = _entry(spec, options, headers, configured)
-    cubin = _read_cubin(entry.path(".cubin"))
+    root = read_dir(configured)
+    source = render.render_instance(spec)
+    version = _nvrtc_version()
+    cubin = _lookup(spec, source, headers, options, version, root, any_nvrtc=not compile_on_miss)
     if cubin is not None:
-        return cubin, None
+        return cubin, None, root
     if not compile_on_miss:
-        raise JitDisabledError(spec, configured)
+        raise JitDisabledError(spec, root)
+    if version is None:
+        version = nvrtc.nvrtc_version()  # raises NvrtcNotFoundError, saying what to install
     directory = write_dir(configured)
-    if directory != configured:
-        entry = dataclasses.replace(entry, directory=directory / spec.uri)
-        cubin = _read_cubin(entry.path(".cubin"))
+    entry = _entry(spec, source, headers, options, version, directory)
+    if directory != root:
+        cubin = _read_cubin(entry)
         if cubin is not None:
-            return cubin, None
-    entry.directory.mkdir(parents=True, exist_ok=True)
-    with _entry_lock(entry), filelock.FileLock(entry.path(".lock")):
+            return cubin, None, directory
+    with _entry_lock(entry), contextlib.ExitStack() as locked:
+        try:
+            _make_dir(entry.directory)
+            _check_entry_dir(entry.directory)
+            locked.enter_context(_file_lock(entry.path(".lock")))
+        except OSError as exc:
+            # A fault below the cache folder (the entry's folder is a file, a link or another
+            # user's; no space or descriptors for the folder or lock): compile without storing.
+            cubin, _ = _compile(entry, None)
+            raise CacheWriteError(entry.path(".cubin"), exc, cubin) from exc
         # Another thread or process may have compiled this entry while we waited for the lock.
-        cubin = _read_cubin(entry.path(".cubin"))
+        cubin = _read_cubin(entry)
         if cubin is not None:
-            return cubin, None
-        return _compile_and_store(entry)
+            return cubin, None, directory
+        cubin, seconds = _compile_and_store(entry)
+        return cubin, seconds, directory
+
+
+def _compile(entry: _Entry, source_path: Path | None) -> tuple[bytes, float]:
+    start = time.perf_counter()
+    cubin = nvrtc.compile_cubin(
+        entry.source, entry.spec.uri, entry.spec.arch, entry.headers, entry.options, source_path
+    )
+    return cubin, time.perf_counter() - start
 
 
 def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     """Compile, then write metadata and cubin (last: an entry exists when its cubin does).  A
     failed write removes the entry's files and raises CacheWriteError carrying the cubin."""
+    _sweep_stale_temp_files(entry.directory)
     source_path: Path | None = entry.path(".cu")
     write_error: OSError | None = None
     try:
@@ -267,23 +489,19 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     except OSError as exc:
         # Compile anyway: without a source path NVRTC saves a failing source to a temp folder.
         write_error, source_path = exc, None
-    start = time.perf_counter()
-    cubin = nvrtc.compile_cubin(
-        entry.source, entry.spec.uri, entry.spec.arch, entry.headers, entry.options, source_path
-    )
-    seconds = time.perf_counter() - start
+    cubin, seconds = _compile(entry, source_path)
     if write_error is None:
         metadata = {
             "uri": entry.spec.uri,
+            "key": entry.key,
             "spec": entry.spec.to_dict(),
             "options": list(entry.options),
             "nvrtc_version": list(entry.nvrtc_version),
             "compile_seconds": round(seconds, 3),
         }
-        frame = _FRAME.pack(_MAGIC, len(cubin), hashlib.sha256(cubin).digest())
         try:
             _atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
-            _atomic_write(entry.path(".cubin"), frame + cubin)
+            _atomic_write(entry.path(".cubin"), _frame(entry, cubin))
         except OSError as exc:
             write_error = exc
     if write_error is not None:
@@ -295,35 +513,72 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     return cubin, seconds
 
 
-def _read_cubin(path: Path) -> bytes | None:
-    """The payload of a framed cubin file; None when missing or damaged."""
+def _frame(entry: _Entry, cubin: bytes) -> bytes:
+    key, uri = bytes.fromhex(entry.key), entry.spec.uri.encode()
+    digest = hashlib.sha256(key + uri + cubin).digest()
+    return _FRAME.pack(_MAGIC, key, len(uri), len(cubin), digest) + uri + cubin
+
+
+def _read_cubin(entry: _Entry) -> bytes | None:
+    """The payload of the entry's framed cubin; None when missing, damaged, another kernel's, or
+    not safely readable (a link, another user's folder)."""
+    path = entry.path(".cubin")
     try:
-        data = path.read_bytes()
+        _check_entry_dir(entry.directory)
+        data = _read_entry_file(path)
     except (FileNotFoundError, NotADirectoryError):  # the latter: the cache "folder" is a file
         return None
     except OSError as exc:
         logger.warning("cannot read cache entry %s (%s); recompiling", path, exc)
         return None
     if len(data) >= _FRAME.size:
-        magic, length, digest = _FRAME.unpack_from(data)
-        payload = data[_FRAME.size:]
-        if magic == _MAGIC and length == len(payload) and hashlib.sha256(payload).digest() == digest:
-            return payload
+        magic, key, uri_length, length, digest = _FRAME.unpack_from(data)
+        uri = data[_FRAME.size:_FRAME.size + uri_length]
+        payload = data[_FRAME.size + uri_length:]
+        if (
+            magic == _MAGIC and length == len(payload)
+            and hashlib.sha256(key + uri + payload).digest() == digest
+        ):
+            if key == bytes.fromhex(entry.key) and uri == entry.spec.uri.encode():
+                return payload
+            logger.warning(
+                "cache entry %s holds the kernel %s (key %s), not this one; recompiling",
+                path, uri.decode(errors="replace"), key.hex(),
+            )
+            return None
     logger.warning("corrupt cache entry %s; recompiling", path)
     return None
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     """Readers see the old file or the whole new one: write a temp file in the same directory (same
-    file system, so the rename is atomic), then os.replace."""
+    file system, so the rename is atomic), then os.replace.  mkstemp creates it with O_EXCL and
+    O_NOFOLLOW; the mode is then set to 0644 so other users can load a cache one user built."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as file:
+            if hasattr(os, "fchmod"):
+                os.fchmod(file.fileno(), _FILE_MODE)
             file.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _is_temp_file(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _sweep_stale_temp_files(directory: Path) -> None:
+    """Remove the temp files that writers killed mid-write left in ``directory``: a live writer's
+    temp file exists for the moment of one write, far less than STALE_TEMP_SECONDS."""
+    deadline = time.time() - STALE_TEMP_SECONDS
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for item in entries:
+            with contextlib.suppress(OSError):
+                if _is_temp_file(item.name) and item.stat(follow_symlinks=False).st_mtime < deadline:
+                    os.unlink(item.path)  # a link is removed, never followed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +587,44 @@ class BuildResult:
     seconds: float            # compile time; 0.0 when the cubin was already cached
     cached: bool
     error: str | None = None  # the CompileError message (source path, options, NVRTC log)
+    cache_dir: Path | None = None  # the cache folder holding the entry (None on an error)
+
+
+def _set_parent_death_signal() -> bool:
+    """Linux: have the kernel SIGKILL this process when its parent exits (PR_SET_PDEATHSIG).  The
+    signal follows the parent *thread* that started the process: ProcessPoolExecutor starts spawn
+    workers from the thread that submits, the one iterating build()."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_init(parent_pid: int) -> None:
+    """Build workers die with `flashgen build`: a killed build must not leave compiles running."""
+    if not _set_parent_death_signal():
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _build_executor(workers: int) -> ProcessPoolExecutor:
+    # spawn: NVRTC and CUDA state do not survive fork safely, and it behaves the same everywhere.
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(os.getpid(),),
+    )
 
 
 def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
@@ -340,21 +633,21 @@ def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
     instance does not stop the rest."""
     options = tuple(compile_options())
     headers = render.header_sources()
+    root = read_dir()
+    version = _nvrtc_version()
     misses = []
     # Look up in this process first: a warm cache then costs no worker start-up.
     for spec in specs:
-        if _read_cubin(_entry(spec, options, headers).path(".cubin")) is not None:
-            yield BuildResult(spec, 0.0, cached=True)
+        source = render.render_instance(spec)
+        if _lookup(spec, source, headers, options, version, root, any_nvrtc=False) is not None:
+            yield BuildResult(spec, 0.0, cached=True, cache_dir=root)
         else:
             misses.append(spec)
     if jobs <= 1 or len(misses) <= 1:
         for spec in misses:
             yield _build_one(spec, options)
         return
-    # spawn: NVRTC and CUDA state do not survive fork safely, and it behaves the same everywhere.
-    executor = ProcessPoolExecutor(
-        max_workers=min(jobs, len(misses)), mp_context=multiprocessing.get_context("spawn")
-    )
+    executor = _build_executor(min(jobs, len(misses)))
     try:
         futures = {executor.submit(_build_one, spec, options): spec for spec in misses}
         for future in as_completed(futures):
@@ -370,12 +663,12 @@ def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
 def _build_one(spec: KernelSpec, options: tuple[str, ...]) -> BuildResult:
     """Worker: module-level so a spawned process can unpickle it."""
     try:
-        _, seconds = _load_or_compile(spec, options, render.header_sources())
+        _, seconds, directory = _load_or_compile(spec, options, render.header_sources())
     except nvrtc.CompileError as exc:
         return BuildResult(spec, 0.0, cached=False, error=str(exc))
     except Exception as exc:
         return BuildResult(spec, 0.0, cached=False, error=f"{type(exc).__name__}: {exc}")
-    return BuildResult(spec, seconds or 0.0, cached=seconds is None)
+    return BuildResult(spec, seconds or 0.0, cached=seconds is None, cache_dir=directory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,28 +679,64 @@ class CacheInfo:
 
 
 def cache_info(directory: Path | None = None) -> CacheInfo:
-    """Entries and bytes of a cache folder (default: the configured one)."""
+    """Entries and bytes of a cache folder (default: the configured one); links are not followed."""
     directory = config.cache_dir() if directory is None else directory
-    files = [p for p in directory.rglob("*") if p.is_file()] if directory.is_dir() else []
-    return CacheInfo(
-        directory,
-        entries=sum(p.suffix == ".cubin" for p in files),
-        bytes=sum(p.stat().st_size for p in files),
-    )
+    entries = size = 0
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(folder, name))
+                if stat.S_ISREG(st.st_mode):
+                    entries += name.endswith(".cubin")
+                    size += st.st_size
+    return CacheInfo(directory, entries, size)
 
 
-def clear_cache() -> int:
-    """Remove every entry (and this process's memo); returns the number of cubins removed.  Only
-    the per-URI folders are removed, so a cache dir pointed at a shared folder loses nothing else.
-    Entries in the fallback folder (when the configured one is not writable) are removed too.
-    Do not run it while another process is building."""
+@dataclasses.dataclass(frozen=True)
+class ClearResult:
+    removed: int                         # cubins removed
+    failed: list[tuple[Path, str]]       # what could not be removed, and why
+
+
+def clear_cache() -> ClearResult:
+    """Remove every entry (and this process's memo).  Only the per-URI folders are removed, so a
+    cache dir pointed at a shared folder loses nothing else; the folders this process reads and
+    writes instead (the fallback) are cleared too.  Links are never followed nor removed: a linked
+    per-URI folder is reported.  Do not run it while another process is building."""
     configured = config.cache_dir()
-    removed = 0
-    for directory in dict.fromkeys([write_dir(configured), configured]):
-        if directory.is_dir():
-            for child in directory.iterdir():
-                if child.is_dir() and child.name.startswith("flash_"):
-                    removed += sum(1 for _ in child.glob("*.cubin"))
-                    shutil.rmtree(child)
+    directories = [configured, read_dir(configured)]
+    with contextlib.suppress(OSError):  # no usable folder to write to: nothing written there
+        directories.append(write_dir(configured))
+    removed, failed = 0, []
+
+    def record(path, exc) -> None:
+        failed.append((Path(path), str(exc)))
+
+    # Python 3.12 replaced rmtree's onerror with onexc.
+    on_error = (
+        {"onexc": lambda function, path, exc: record(path, exc)} if sys.version_info >= (3, 12)
+        else {"onerror": lambda function, path, info: record(path, info[1])}
+    )
+    for directory in dict.fromkeys(directories):
+        try:
+            children = [c for c in os.scandir(directory) if c.name.startswith("flash_")]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            record(directory, exc)
+            continue
+        for child in children:
+            if child.is_symlink():
+                record(child.path, "a link, which flashgen does not follow")
+                continue
+            if not child.is_dir(follow_symlinks=False):
+                continue
+            try:
+                cubins = [Path(child.path, n) for n in os.listdir(child.path) if n.endswith(".cubin")]
+            except OSError as exc:
+                record(child.path, exc)
+                continue
+            shutil.rmtree(child.path, **on_error)  # removes links inside without following them
+            removed += sum(not os.path.lexists(p) for p in cubins)
     _cubins.clear()
-    return removed
+    return ClearResult(removed, failed)
