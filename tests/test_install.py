@@ -1,0 +1,44 @@
+"""CPU tier: what `pip install flashgen` brings."""
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_license_matches_pyproject():
+    assert PROJECT["license"] == "BSD-3-Clause"
+    assert PROJECT["license-files"] == ["LICENSE"]
+    text = (REPO_ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License\n")
+    assert "Copyright (c) 2026, the flashgen authors" in text
+    for clause in (
+        "Redistributions of source code must retain the above copyright notice",
+        "Redistributions in binary form must reproduce the above copyright notice",
+        "Neither the name of the copyright holder nor the names of its",
+        'THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS "AS IS"',
+    ):
+        assert clause in text
+
+
+def test_installed_metadata_ships_the_license():
+    """Where this checkout is installed (CI's `pip install -e .`), its metadata carries LICENSE."""
+    def installed_from(dist) -> str:
+        return json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+
+    # Not metadata.distribution(): from the checkout's root it finds the build's flashgen.egg-info.
+    installed = [d for d in metadata.distributions(name="flashgen")
+                 if installed_from(d) == REPO_ROOT.as_uri()]
+    if not installed:
+        pytest.skip("this checkout is not pip-installed")
+    dist = installed[0]
+    assert dist.metadata["License-Expression"] == "BSD-3-Clause"
+    assert "LICENSE" in dist.metadata.get_all("License-File")
+    assert dist.read_text("licenses/LICENSE") == (REPO_ROOT / "LICENSE").read_text()
