@@ -1,16 +1,44 @@
-"""CPU tier: what `pip install flashgen` brings."""
+"""CPU tier: what `pip install flashgen` brings, and a first import."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+
+
+def requirements(extra: str | None = None) -> dict[str, Requirement]:
+    listed = PROJECT["dependencies"] if extra is None else PROJECT["optional-dependencies"][extra]
+    return {r.name: r for r in map(Requirement, listed)}
+
+
+def test_numpy_is_a_dependency():
+    """torch's wheels do not require NumPy, but warn on import without it."""
+    assert "numpy" in requirements()
+
+
+def test_import_warns_nothing():
+    """A first contact: import flashgen and its API (which imports torch) with warnings as errors,
+    in a fresh interpreter.  Without NumPy, torch's import warns "Failed to initialize NumPy"."""
+    code = "import flashgen; flashgen.flash_attn_func; flashgen.flash_attn_with_kvcache; import flashgen.cli"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        env=env, capture_output=True, text=True, check=False, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
 
 
 def test_license_matches_pyproject():
