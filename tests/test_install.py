@@ -1,4 +1,4 @@
-"""CPU tier: what `pip install flashgen` brings, and a first import."""
+"""CPU tier: what `pip install flashgen` (and its cu12 / cu13 extras) brings, and a first import."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,32 @@ PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 def requirements(extra: str | None = None) -> dict[str, Requirement]:
     listed = PROJECT["dependencies"] if extra is None else PROJECT["optional-dependencies"][extra]
     return {r.name: r for r in map(Requirement, listed)}
+
+
+def test_base_install_is_cuda13_and_leaves_cuda_bindings_open():
+    base = requirements()
+    assert "13.5.37" in base["nvidia-cuda-nvrtc"].specifier
+    assert "12.9.86" not in base["nvidia-cuda-nvrtc"].specifier  # CUDA 12's is another wheel
+    assert "nvidia-cuda-runtime" in base
+    # cuda-bindings is left open above, so that the cu12 extra can narrow it to 12.x.
+    assert "12.9.10" in base["cuda-bindings"].specifier and "13.5.0" in base["cuda-bindings"].specifier
+
+
+@pytest.mark.parametrize(
+    ("extra", "packages", "inside", "outside"),
+    [
+        ("cu12", ("cuda-bindings", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12"), "12.9.10", "13.0.0"),
+        ("cu13", ("cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime"), "13.5.0", "12.9.10"),
+    ],
+)
+def test_cuda_extras_pin_one_major_version(extra, packages, inside, outside):
+    pins = requirements(extra)
+    assert set(pins) == set(packages)
+    base = requirements()
+    for name in packages:
+        assert inside in pins[name].specifier and outside not in pins[name].specifier, pins[name]
+        if name in base:  # the extra narrows the base requirement, so both can be met
+            assert inside in base[name].specifier
 
 
 def test_numpy_is_a_dependency():
