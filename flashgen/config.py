@@ -83,3 +83,16 @@ def nvrtc_extra_options() -> list[str]:
     use.  They change the binary, so they are part of the cache key."""
     value = _env("FLASHGEN_NVRTC_EXTRA_OPTIONS")
     return shlex.split(value) if value is not None else []
+
+
+def nvrtc_major() -> int | None:
+    """FLASHGEN_NVRTC: the major version of the NVRTC to compile with ("12" or "13"), when several
+    are installed (`pip install 'flashgen[cu12]'` keeps CUDA 13's too).  Unset: one the driver can
+    load cubins of, that of cuda-bindings' major version first (nvrtc.choose_nvrtc_major).  NVRTC's
+    version is part of the cache key."""
+    value = _env("FLASHGEN_NVRTC")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"FLASHGEN_NVRTC must be an NVRTC major version such as 12 or 13, got {value!r}")
+    return int(value)

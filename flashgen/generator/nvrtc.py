@@ -1,11 +1,14 @@
 """Compiling CUDA C++ to a cubin with NVRTC (cuda.bindings.nvrtc).  Needs no GPU and no driver."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from .. import config
 
@@ -26,16 +29,16 @@ logger = logging.getLogger("flashgen")
 DEFAULT_OPTIONS: tuple[str, ...] = ("-lineinfo", "-DNDEBUG")
 
 INSTALL_HEADERS_HINT = (
-    "NVRTC needs the CUDA headers (cuda_fp16.h, cuda_bf16.h) and has no built-in search path: "
-    "`pip install nvidia-cuda-runtime` (matching NVRTC's major version), or set CUDA_HOME to a "
-    "CUDA toolkit"
+    "NVRTC needs the CUDA headers (cuda_fp16.h, cuda_bf16.h) of its major version and has no "
+    "built-in search path: `pip install nvidia-cuda-runtime` (CUDA 13; for NVRTC 12: "
+    "`pip install 'flashgen[cu12]'`), or set CUDA_HOME to a CUDA toolkit"
 )
 
 
 INSTALL_NVRTC_HINT = (
     "flashgen compiles its kernels with NVRTC: `pip install nvidia-cuda-nvrtc cuda-bindings` "
-    "(for CUDA 12: nvidia-cuda-nvrtc-cu12 and cuda-bindings 12.x), or put a CUDA toolkit's "
-    "libnvrtc on the library path"
+    "(for a CUDA 12 driver: `pip install 'flashgen[cu12]'`), or put a CUDA toolkit's libnvrtc on "
+    "the library path"
 )
 
 
@@ -65,42 +68,161 @@ class CompileError(Exception):
         )
 
 
+def choose_nvrtc_major(
+    installed: Collection[int],
+    driver_major: int | None,
+    bindings_major: int | None = None,
+    requested: int | None = None,
+) -> int | None:
+    """Which NVRTC major version to compile with.
+
+    A cubin loads only on a driver of its NVRTC's major version or newer (within a major,
+    minor-version compatibility covers cubins), so: the one asked for (FLASHGEN_NVRTC); else, of
+    those installed that the driver supports (all of them without a driver, e.g. building a cache
+    on a CPU machine, or when none is old enough: the load error then says what to install), the
+    one of cuda-bindings' major version (the pairing cuda-bindings supports: `flashgen[cu12]`
+    brings cuda-bindings 12), else the newest.  None when no wheel is installed: cuda.bindings
+    searches for libnvrtc itself."""
+    if requested is not None:
+        return requested
+    if not installed:
+        return None
+    supported = [major for major in installed if driver_major is None or major <= driver_major]
+    candidates = supported or list(installed)
+    return bindings_major if bindings_major in candidates else max(candidates)
+
+
+def nvrtc_libraries() -> dict[int, Path]:
+    """libnvrtc of each major version the nvidia wheels installed, e.g. {13: .../nvidia/cu13/lib/
+    libnvrtc.so.13, 12: .../nvidia/cuda_nvrtc/lib/libnvrtc.so.12}; the first site dir wins."""
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels; may span several site dirs
+    except ImportError:
+        return {}
+    found: dict[int, Path] = {}
+    for root in nvidia.__path__:
+        for library in sorted(Path(root).glob("*/lib/libnvrtc.so.*")):
+            suffix = library.name.removeprefix("libnvrtc.so.")
+            if suffix.isdigit():
+                found.setdefault(int(suffix), library)
+    return found
+
+
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The CUDA version the NVIDIA driver supports (cuDriverGetVersion, which needs no cuInit), or
+    None without a driver: compiling needs none."""
+    try:
+        from cuda.bindings import driver
+
+        err, encoded = driver.cuDriverGetVersion()
+    # No cuda-bindings, or no libcuda (cuda.pathfinder's DynamicLibNotFoundError, a RuntimeError).
+    except (ImportError, RuntimeError, OSError):
+        return None
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return encoded // 1000, encoded % 1000 // 10
+
+
+def _bindings_major() -> int | None:
+    try:
+        from cuda.bindings import __version__
+    except ImportError:
+        return None
+    major = __version__.split(".")[0]
+    return int(major) if major.isdigit() else None
+
+
+def _load_chosen_nvrtc() -> int | None:
+    """Load the chosen libnvrtc into the process before cuda.bindings' first NVRTC call, and return
+    its major version (None: nothing to choose, cuda.bindings' own search decides).
+
+    cuda.bindings 12.9.10 and 13.x use a libnvrtc that is already loaded (they look the symbols up
+    globally first, and cuda.pathfinder checks what is loaded); their own search takes the first
+    wheel it finds, CUDA 13's, even where `flashgen[cu12]` installed NVRTC 12 for a CUDA 12
+    driver.  (cuda-bindings 12.8.0 and 12.9.0 always open libnvrtc.so.12.)"""
+    installed = nvrtc_libraries()
+    requested = config.nvrtc_major()
+    if requested is None and len(installed) < 2:
+        return None
+    driver_version = driver_cuda_version() if requested is None else None
+    major = choose_nvrtc_major(
+        installed, driver_version and driver_version[0], _bindings_major(), requested
+    )
+    # A major without a wheel: a CUDA toolkit's libnvrtc on the library path.
+    library = installed.get(major)
+    try:
+        ctypes.CDLL(str(library or f"libnvrtc.so.{major}"), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+        if library is not None:
+            # Some wheels' libnvrtc does not find its builtins beside it (cuda.pathfinder preloads
+            # them for NVRTC 13.0); this load replaces cuda.pathfinder's, so it preloads them too.
+            for builtins in library.parent.glob(f"libnvrtc-builtins.so.{major}.*"):
+                ctypes.CDLL(str(builtins), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    except OSError as exc:
+        raise NvrtcNotFoundError(exc) from exc
+    logger.debug(
+        "NVRTC %d chosen (installed: %s; driver: CUDA %s; cuda-bindings %s; FLASHGEN_NVRTC=%s)",
+        major, sorted(installed), driver_version, _bindings_major(), requested,
+    )
+    return major
+
+
 @functools.cache
 def nvrtc_version() -> tuple[int, int]:
     """NVRTC's (major, minor).  The first call into libnvrtc, so where a missing library shows:
     raises NvrtcNotFoundError saying what to install."""
     if _nvrtc is None:
         raise NvrtcNotFoundError(_IMPORT_ERROR) from _IMPORT_ERROR
+    chosen = _load_chosen_nvrtc()
     try:
         err, major, minor = _nvrtc.nvrtcVersion()
     # cuda.pathfinder raises its own error types (RuntimeError subclasses) when libnvrtc is absent.
     except (RuntimeError, OSError) as exc:
         raise NvrtcNotFoundError(exc) from exc
     _check(err, "nvrtcVersion")
+    if chosen is not None and major != chosen:
+        # cuda.bindings loaded an NVRTC before this process's first nvrtc_version(), or opens its
+        # own (12.8.0 and 12.9.0: libnvrtc.so.12).
+        message = f"NVRTC {chosen} was chosen, but cuda.bindings uses NVRTC {major}.{minor}"
+        if config.nvrtc_major() is not None:
+            raise NvrtcNotFoundError(RuntimeError(message + " (FLASHGEN_NVRTC)"))
+        logger.warning("%s: compiling with that one", message)
     return major, minor
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_headers_major(include_dir: Path) -> int | None:
+    """The CUDA major version of a folder of CUDA headers (CUDART_VERSION in cuda_runtime_api.h),
+    or None when it does not say."""
+    try:
+        text = (include_dir / "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"^#define\s+CUDART_VERSION\s+(\d+)", text, re.MULTILINE)
+    return int(match.group(1)) // 1000 if match else None
+
+
 def cuda_include_dir() -> Path | None:
-    """The first directory holding cuda_fp16.h: the pip wheels' nvidia/cu<N>/include (N = NVRTC's
-    major version first, since its headers match that NVRTC), then $CUDA_HOME/include, then
-    /usr/local/cuda/include."""
+    """The CUDA headers NVRTC compiles with: among the folders holding cuda_fp16.h, the first of
+    NVRTC's major version (CUDA 13's cuda_fp16.h is not CUDA 12's), else the first.  Searched: the
+    nvidia wheels' nvidia/cu13/include (nvidia-cuda-runtime) and nvidia/cuda_runtime/include
+    (nvidia-cuda-runtime-cu12), then $CUDA_HOME/include, then /usr/local/cuda/include."""
     candidates: list[Path] = []
     try:
         import nvidia  # namespace package of the nvidia-* wheels; may span several site dirs
     except ImportError:
         pass
     else:
-        major = nvrtc_version()[0]
-        subdirs = dict.fromkeys([f"cu{major}", "cu13", "cu12"])
         for root in nvidia.__path__:
-            candidates.extend(Path(root) / sub / "include" for sub in subdirs)
-            # The older nvidia-cuda-runtime-cu12 wheels use nvidia/cuda_runtime/include.
-            candidates.append(Path(root) / "cuda_runtime" / "include")
+            candidates.extend(Path(root) / sub / "include" for sub in ("cu13", "cu12", "cuda_runtime"))
     cuda_home = config.cuda_home()
     if cuda_home is not None:
         candidates.append(cuda_home / "include")
     candidates.append(Path("/usr/local/cuda/include"))
-    return next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
+    found = [c for c in candidates if (c / "cuda_fp16.h").is_file()]
+    if len(found) < 2:
+        return found[0] if found else None
+    major = nvrtc_version()[0]
+    return next((c for c in found if cuda_headers_major(c) == major), found[0])
 
 
 def compile_cubin(
