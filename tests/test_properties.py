@@ -111,13 +111,17 @@ reals = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3
 # Per option: (valid values, any values).
 OPTIONS = dict(
     dropout_p=(st.sampled_from([0.0, 0, -0.0]), st.one_of(reals, st.sampled_from(["0", None]))),
-    softmax_scale=(st.one_of(st.none(), st.floats(1e-3, 10.0), st.integers(1, 3)), st.one_of(reals, st.just("0.1"))),
+    softmax_scale=(st.one_of(st.none(), st.floats(1e-3, 10.0), st.integers(1, 3)),
+                   st.one_of(reals, st.sampled_from(["0.1", True]))),
     window_size=(
         st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 300), st.integers(-1, 300)),
-                  st.lists(st.integers(-1, 300), min_size=2, max_size=2)),
+                  st.lists(st.integers(-1, 300), min_size=2, max_size=2),
+                  st.lists(st.integers(-1, 300), min_size=2, max_size=2).map(torch.tensor)),
         st.one_of(st.tuples(st.integers(-3, 3), st.sampled_from([-3, 2**63 - 1, 2**63])),
                   st.lists(st.integers(-2, 3), max_size=3),
-                  st.tuples(st.floats(-1, 3), st.integers(-1, 3)), st.sampled_from([None, 5, "ab"])),
+                  st.lists(st.integers(-2, 3), max_size=3).map(lambda w: torch.tensor(w, dtype=torch.int32)),
+                  st.tuples(st.floats(-1, 3), st.integers(-1, 3)), st.tuples(st.booleans(), st.integers(-1, 3)),
+                  st.sampled_from([None, 5, "ab", torch.tensor([1.0, 2.0]), torch.tensor([True, False])])),
     ),
     softcap=(st.one_of(st.just(0.0), st.floats(0.0, 50.0), st.integers(0, 50)),
              st.one_of(reals, st.sampled_from([None, "1"]))),
@@ -167,12 +171,23 @@ def is_finite(x) -> bool:
         return False
 
 
+def window_ok(window_size) -> bool:
+    if isinstance(window_size, torch.Tensor):
+        if window_size.dtype.is_floating_point or window_size.dtype == torch.bool or window_size.dim() != 1:
+            return False
+        window_size = window_size.tolist()
+    return (
+        isinstance(window_size, (tuple, list)) and len(window_size) == 2
+        and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and -1 <= w < 2**63 for w in window_size)
+    )
+
+
 def options_ok(dropout_p=0.0, softmax_scale=None, window_size=(-1, -1), softcap=0.0, num_splits=1, pack_gqa=None):
     return (
         is_real(dropout_p) and 0 <= dropout_p < 1
-        and (softmax_scale is None or is_real(softmax_scale) and softmax_scale > 0 and is_finite(softmax_scale))
-        and isinstance(window_size, (tuple, list)) and len(window_size) == 2
-        and all(isinstance(w, numbers.Integral) and -1 <= w < 2**63 for w in window_size)
+        and (softmax_scale is None or is_real(softmax_scale) and not isinstance(softmax_scale, bool)
+             and softmax_scale > 0 and is_finite(softmax_scale))
+        and window_ok(window_size)
         and is_real(softcap) and softcap >= 0 and is_finite(softcap)
         and isinstance(num_splits, numbers.Integral) and 0 <= num_splits < 2**63
         and isinstance(pack_gqa, (type(None), bool))

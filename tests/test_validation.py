@@ -14,6 +14,7 @@ import math
 import re
 import typing
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,11 @@ def strided_vector(n, dtype=I32):
 def misaligned(*shape, dtype=F16):
     """A contiguous tensor whose data starts one element past a 16-byte boundary."""
     return lambda device: torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+def tensor(values):
+    """torch.tensor(values) on the device under test."""
+    return lambda device: torch.tensor(values, device=device)
 
 
 def build(kwargs: dict, device: str) -> dict:
@@ -119,6 +125,7 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "softmax_scale-inf", ValueError, "softmax_scale", softmax_scale=math.inf),
         bad(base, "softmax_scale-nan", ValueError, "softmax_scale", softmax_scale=math.nan),
         bad(base, "softmax_scale-str", TypeError, "softmax_scale", softmax_scale="0.1"),
+        bad(base, "softmax_scale-bool", TypeError, "softmax_scale", softmax_scale=True),
         bad(base, "window-left-below-minus-1", ValueError, "window_size", window_size=(-2, -1)),
         bad(base, "window-right-below-minus-1", ValueError, "window_size", window_size=(16, -5)),
         bad(base, "window-past-int64", ValueError, "window_size", window_size=(2**63, 0)),
@@ -127,6 +134,17 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "window-float", TypeError, "window_size", window_size=(16.0, 0)),
         bad(base, "window-int", TypeError, "window_size", window_size=16),
         bad(base, "window-none", TypeError, "window_size", window_size=None),
+        bad(base, "window-str", TypeError, "window_size", window_size="ab"),
+        bad(base, "window-bool", TypeError, "window_size", window_size=(True, 0)),
+        bad(base, "window-numpy-bool", TypeError, "window_size", window_size=(0, np.bool_(False))),
+        bad(base, "window-numpy-float", TypeError, "window_size", window_size=np.array([4.0, 0.0])),
+        bad(base, "window-float-tensor", TypeError, "window_size", window_size=tensor([4.0, 0.0])),
+        bad(base, "window-bool-tensor", TypeError, "window_size", window_size=tensor([True, False])),
+        bad(base, "window-tensor-three-values", ValueError, "window_size", window_size=tensor([1, 2, 3])),
+        bad(base, "window-tensor-2d", ValueError, "window_size", window_size=tensor([[1, 2]])),
+        bad(base, "window-tensor-below-minus-1", ValueError, "window_size", window_size=tensor([-2, 0])),
+        bad(base, "window-tensor-elements", TypeError, "window_size",
+            window_size=lambda d: tuple(torch.tensor([3, 0], device=d))),
         bad(base, "softcap-negative", ValueError, "softcap", softcap=-1.0),
         bad(base, "softcap-inf", ValueError, "softcap", softcap=math.inf),
         bad(base, "softcap-nan", ValueError, "softcap", softcap=math.nan),
@@ -145,6 +163,12 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "alibi-3d", ValueError, "alibi_slopes", alibi_slopes=z(2, 4, 1, dtype=F32)),
         bad(base, "alibi-strided", ValueError, "alibi_slopes", alibi_slopes=strided_last(4, dtype=F32)),
     ]
+    flags = ("causal", "rotary_interleaved", "return_softmax_lse") if base == "kvcache" else (
+        "causal", "deterministic", "return_attn_probs")
+    for flag in flags:
+        # Each of these is truthy or falsy: taken as a flag, "False" would turn the option on.
+        for what, value in (("str", "False"), ("none", None), ("int", 1), ("float", 0.0), ("tensor", tensor(True))):
+            cases.append(bad(base, f"{flag}-{what}", TypeError, flag, **{flag: value}))
     if base in ("varlen_qkvpacked", "varlen_kvpacked"):  # flash_attn's packed varlen API: no FA3 options
         cases = [c for c in cases if c.arg not in ("num_splits", "pack_gqa")]
     if base != "kvcache":
@@ -372,6 +396,11 @@ GOOD = [
     good("func", "k-heads-before-seqlen", k=lambda d: torch.zeros(2, 2, 24, 64, dtype=F16, device=d).transpose(1, 2)),
     good("func", "options", causal=True, window_size=[-1, 0], softcap=30, softmax_scale=1, dropout_p=0,
          num_splits=0, pack_gqa=True, deterministic=True, return_attn_probs=True),
+    good("func", "window-tensor", window_size=tensor([3, 0])),
+    good("func", "window-int32-tensor-numpy-flags", window_size=lambda d: torch.tensor([-1, 5], dtype=I32, device=d),
+         causal=np.bool_(True), deterministic=np.bool_(False), return_attn_probs=np.bool_(True)),
+    good("func", "window-numpy-integers", window_size=(np.int64(4), np.int32(-1))),
+    good("func", "window-numpy-array", window_size=np.array([2, 2], dtype=np.uint8)),
     good("func", "window-alibi-per-batch", window_size=(128, 5), pack_gqa=False, num_splits=7,
          alibi_slopes=z(2, 4, dtype=F32)),
     good("qkvpacked", "alibi-per-head", alibi_slopes=z(4, dtype=F32), window_size=(0, 0)),
@@ -382,6 +411,8 @@ GOOD = [
     good("kvcache", "int-cache_seqlens", cache_seqlens=31, cache_batch_idx=None, cache_leftpad=None),
     good("kvcache", "append-fills-the-cache", k=z(2, 32, 2, 64), v=z(2, 32, 2, 64), cache_seqlens=0),
     good("kvcache", "options", alibi_slopes=z(2, 4, dtype=F32), window_size=(8, 0), num_splits=3, pack_gqa=False),
+    good("kvcache", "flags", causal=True, rotary_interleaved=np.bool_(False), return_softmax_lse=True,
+         window_size=tensor([4, 0])),
     good("kvcache_paged", "base"),
     good("kvcache_paged", "block_table-strided-last-dim",
          block_table=lambda d: torch.zeros(4, 2, dtype=I32, device=d).t()),
@@ -389,6 +420,7 @@ GOOD = [
     good("varlen", "base"),
     good("varlen", "dropout-splits-gqa-heuristic", dropout_p=0.3, num_splits=0, pack_gqa=None, seqused_q=None,
          causal=True, alibi_slopes=z(2, 4, dtype=F32)),
+    good("varlen", "window-list", window_size=[3, 3]),
     good("varlen", "empty-total", q=z(0, 4, 64), k=z(0, 2, 64), v=z(0, 2, 64), max_seqlen_q=0, max_seqlen_k=0),
     good("varlen_paged", "base"),
     good("varlen_paged", "page-size-1-seqused_k", k=z(5, 1, 2, 64), v=z(5, 1, 2, 64), seqused_k=z(2, dtype=I32)),
@@ -416,8 +448,10 @@ def names(case: Bad) -> str:
 
 @pytest.mark.parametrize("case", BAD, ids=lambda c: c.id)
 def test_bad_argument_cpu(case: Bad):
-    with pytest.raises(case.error, match=names(case)):
+    with pytest.raises(case.error, match=names(case)) as error:
         call(case.base, case.changes, "cpu")
+    # The CUDA-tensor error names the first tensor too: it would pass for a call that is valid.
+    assert "must be a CUDA tensor" not in str(error.value)
 
 
 @pytest.mark.parametrize("base, changes", GOOD)
@@ -428,11 +462,10 @@ def test_valid_cpu_call_gets_exactly_the_cuda_error(base, changes):
 
 
 def test_every_argument_is_covered():
-    """Each entry point's arguments all have bad cases, but the booleans (any value is truthy or not)."""
-    booleans = {"causal", "deterministic", "return_attn_probs", "return_softmax_lse", "rotary_interleaved"}
+    """Each entry point's arguments all have bad cases (the flags too: True or False only)."""
     for fn in {fn for fn, _ in BASES.values()}:
         covered = {case.arg for case in BAD if BASES[case.base][0] is fn}
-        missing = set(inspect.signature(fn).parameters) - booleans - covered
+        missing = set(inspect.signature(fn).parameters) - covered
         assert not missing, (fn.__name__, sorted(missing))
 
 

@@ -382,17 +382,18 @@ def flash_attn_func(
     the probabilities or the dropout pattern: flashgen.testing.dropout_keep_mask recomputes the
     pattern from the rng state).
     """
-    validate.fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_attn_probs, pack_gqa, num_splits)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    args = (q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-            float(softcap), alibi_slopes, pack_gqa, int(num_splits))
+    args = (q, k, v, float(softmax_scale), bool(causal), *window_size, float(softcap), alibi_slopes, pack_gqa,
+            int(num_splits))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
         out, lse, _ = _fwd_op(*args, float(dropout_p), bool(deterministic))
     else:
         # Eager inference skips the custom-op dispatch (tens of microseconds per call).
-        out, lse, _ = _fwd(*args[:5], args[5:7], *args[7:], float(dropout_p))
+        out, lse, _ = _fwd(*args[:5], window_size, *args[7:], float(dropout_p))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -401,7 +402,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """qkv (batch, seqlen, 3, nheads, d)."""
-    validate.qkvpacked(qkv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                     deterministic, return_attn_probs, pack_gqa, num_splits)
     return flash_attn_func(
         qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
@@ -413,7 +415,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """q (batch, seqlen_q, nheads, d), kv (batch, seqlen_k, 2, nheads_k, d)."""
-    validate.kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, return_attn_probs, pack_gqa, num_splits)
     return flash_attn_func(
         q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
@@ -569,8 +572,10 @@ def flash_attn_varlen_func(
     a real length, rows are left unwritten (wrong answers, never stray accesses);
     FLASHGEN_CHECK_INPUTS=1 reports such values.
     """
-    validate.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits)
+    window_size = validate.varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
+        pack_gqa, num_splits)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -588,16 +593,16 @@ def flash_attn_varlen_func(
             )
         out, lse, _ = _varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
-            tuple(window_size), float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
+            window_size, float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
             int(num_splits), float(dropout_p))
     else:
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
-                bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                seqused_q, seqused_k, pack_gqa, int(num_splits))
+                bool(causal), *window_size, float(softcap), alibi_slopes, seqused_q, seqused_k, pack_gqa,
+                int(num_splits))
         if needs_grad or torch.compiler.is_compiling():
             out, lse, _ = _varlen_fwd_op(*args, float(dropout_p), bool(deterministic))
         else:
-            out, lse, _ = _varlen_fwd(*args[:9], args[9:11], args[11], args[12], None, *args[13:], float(dropout_p))
+            out, lse, _ = _varlen_fwd(*args[:9], window_size, args[11], args[12], None, *args[13:], float(dropout_p))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -606,8 +611,8 @@ def flash_attn_varlen_qkvpacked_func(
     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
 ):
     """qkv (total, 3, nheads, d); cu_seqlens int32 (batch + 1,)."""
-    validate.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,
-                              alibi_slopes)
+    window_size = validate.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

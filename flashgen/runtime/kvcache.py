@@ -31,9 +31,10 @@ def flash_attn_with_kvcache(
     cache_seqlens .. cache_seqlens + seqlen_new (rotated first when rotary tables are given) and
     attended to. Returns ``out`` or ``(out, softmax_lse)``.
     """
-    paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim = validate.kvcache(
+    paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim, window_size = validate.kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, pack_gqa,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse, pack_gqa,
     )
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
@@ -61,7 +62,7 @@ def flash_attn_with_kvcache(
     info = device_info(index)
     plan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity,
-        nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=tuple(window_size),
+        nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=window_size,
         softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged, num_splits=int(num_splits),
         family=config.forced_family(), page_size=page_size if paged else 0, leftpad=cache_leftpad is not None,
         # Calls with more query rows than the decode tile's may take the sm90 forward
