@@ -157,7 +157,7 @@ def last_dim_ok(t) -> bool:
 
 
 def head_dim_ok(d: int) -> bool:
-    return d % 8 == 0 and 8 <= d <= 256
+    return 1 <= d <= 256
 
 
 def is_real(x) -> bool:
@@ -218,14 +218,16 @@ def combine_ok(out_partial, lse_partial, out=None, out_dtype=None) -> bool:
         return False
     splits, batch, seqlen, nheads, d = out_partial.shape
     out_dtypes = (F32, F16, BF16)
-    if lse_partial.shape != out_partial.shape[:4] or d % 4 or not 1 <= splits <= 256:
+    if lse_partial.shape != out_partial.shape[:4] or not 1 <= splits <= 256:
         return False
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype in out_dtypes):
         return False
+    # With d % 4 the kernel writes a padded buffer, copied into out whatever its layout.
     return out is None or (
         is_tensor_of(out, out_dtypes, 4) and out.dtype == (out_dtype or out.dtype)
-        and out.shape == (batch, seqlen, nheads, d) and out.stride(-1) == 1
-        and all(s % 4 == 0 for s in out.stride()[:-1]) and out.data_ptr() % 16 == 0
+        and out.shape == (batch, seqlen, nheads, d)
+        and (d % 4 != 0 or out.stride(-1) == 1 and all(s % 4 == 0 for s in out.stride()[:-1])
+             and out.data_ptr() % 16 == 0)
     )
 
 
@@ -255,7 +257,7 @@ def fwd_calls(draw) -> dict:
     seqlen_q, seqlen_k = draw(st.integers(0, 5)), draw(st.integers(0, 5))
     nheads_k = pick(draw, [1, 2, 3], [0])
     nheads = nheads_k * draw(st.integers(1, 3)) + pick(draw, [0], [1, 2])
-    head_dim = pick(draw, [8, 64, 72, 128, 256], [0, 4, 12, 100, 264, 512])
+    head_dim = pick(draw, [1, 8, 59, 64, 72, 128, 255, 256], [0, 257, 264, 512])
     dtype = draw(st.sampled_from(HALF))
     q = draw(near((batch, seqlen_q, nheads, head_dim)).flatmap(lambda s: tensors(s, dtype)))
     kv_shape = (batch, seqlen_k, nheads_k, head_dim)
@@ -331,7 +333,7 @@ class CacheCall:
 @st.composite
 def cache_calls(draw) -> CacheCall:
     nheads_k = draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([8, 64, 72, 128, 256]))
+    head_dim = draw(st.sampled_from([2, 8, 59, 64, 72, 128, 256]))
     batch = draw(st.integers(0, 3))
     capacity = draw(st.integers(0, 40))
     page_size = draw(st.sampled_from([None, None, 1, 3, 16]))
@@ -366,7 +368,7 @@ def test_kvcache_valid_calls_pass_and_spoiled_ones_fail_cleanly(data):
 def test_combine_accepts_exactly_the_valid_calls(data):
     splits = data.draw(st.sampled_from([0, 1, 2, 256, 257]))
     batch, seqlen, nheads = (data.draw(st.integers(0, 3)) for _ in range(3))
-    d = data.draw(st.sampled_from([0, 4, 6, 64, 128]))
+    d = data.draw(st.sampled_from([0, 1, 4, 6, 64, 128]))
     out_partial = data.draw(near((splits, batch, seqlen, nheads, d)).flatmap(lambda s: tensors(s, F32)))
     shape = tuple(out_partial.shape[:4]) if out_partial.dim() == 5 else (splits, batch, seqlen, nheads)
     lse_partial = data.draw(near(shape).flatmap(lambda s: tensors(s, F32)))

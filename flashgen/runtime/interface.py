@@ -29,6 +29,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# The kernels move rows in whole 16-byte chunks (8 fp16/bf16 elements). As in flash_attn 2, a call
+# whose head dim is not a multiple of 8 runs on copies padded with zero columns, which change no
+# score and give zero output columns, and its outputs are sliced back; autograd carries the
+# gradients through the pad and the slice. A head dim that is a multiple of 8 skips all of it.
+HEAD_DIM_MULTIPLE = 8
+
+
+def pad_head_dim(x: torch.Tensor, multiple: int = HEAD_DIM_MULTIPLE) -> torch.Tensor:
+    """x with zero columns appended to its last dimension up to a multiple of ``multiple``; x itself
+    when it is one."""
+    extra = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -384,8 +398,11 @@ def flash_attn_func(
     """
     window_size = validate.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                deterministic, return_attn_probs, pack_gqa, num_splits)
+    head_dim = q.shape[-1]
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+        softmax_scale = head_dim ** -0.5
+    if head_dim % HEAD_DIM_MULTIPLE:
+        q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
     args = (q, k, v, float(softmax_scale), bool(causal), *window_size, float(softcap), alibi_slopes, pack_gqa,
             int(num_splits))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -394,6 +411,8 @@ def flash_attn_func(
     else:
         # Eager inference skips the custom-op dispatch (tens of microseconds per call).
         out, lse, _ = _fwd(*args[:5], window_size, *args[7:], float(dropout_p))
+    if head_dim % HEAD_DIM_MULTIPLE:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -576,8 +595,11 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
         pack_gqa, num_splits)
+    head_dim = q.shape[-1]
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+        softmax_scale = head_dim ** -0.5
+    if head_dim % HEAD_DIM_MULTIPLE:  # paged: the pages are copied too, as flash_attn 2 does
+        q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if block_table is not None:
@@ -603,6 +625,8 @@ def flash_attn_varlen_func(
             out, lse, _ = _varlen_fwd_op(*args, float(dropout_p), bool(deterministic))
         else:
             out, lse, _ = _varlen_fwd(*args[:9], window_size, args[11], args[12], None, *args[13:], float(dropout_p))
+    if head_dim % HEAD_DIM_MULTIPLE:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 

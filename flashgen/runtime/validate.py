@@ -81,10 +81,7 @@ def _half(name: str, t, ndim: int = 4, layout: str = _QKV, q_dtype=None) -> torc
 # per check would cost more than the check), each message here.
 
 def _bad_head_dim(name: str, shape: torch.Size) -> ValueError:
-    return ValueError(
-        f"{name} must have a head_dim (last dimension) that is a multiple of 8 in [8, {MAX_HEAD_DIM}], "
-        f"got shape {tuple(shape)}"
-    )
+    return ValueError(f"{name} must have a head_dim (last dimension) in [1, {MAX_HEAD_DIM}], got shape {tuple(shape)}")
 
 
 def _bad_nheads_k(name: str, nheads_k: int, nheads: int, shape: torch.Size) -> ValueError:
@@ -247,7 +244,7 @@ def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_s
     k_shape = _half("k", k, q_dtype=q.dtype)
     v_shape = _half("v", v, q_dtype=q.dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if k_shape[0] != batch or k_shape[3] != head_dim:
         raise ValueError(
@@ -276,7 +273,7 @@ def qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi
     shape = _half("qkv", qkv, 5, layout)
     if shape[2] != 3:
         raise ValueError(f"qkv must have shape {layout}, got {tuple(shape)}")
-    if shape[4] % 8 or not 8 <= shape[4] <= MAX_HEAD_DIM:
+    if not 1 <= shape[4] <= MAX_HEAD_DIM:
         raise _bad_head_dim("qkv", shape)
     if shape[3] == 0:
         raise ValueError(f"qkv must have at least one head (shape[3]), got shape {tuple(shape)}")
@@ -298,7 +295,7 @@ def kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alib
     q_shape = _half("q", q)
     kv_shape = _half("kv", kv, 5, layout, q_dtype=q.dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if kv_shape[2] != 2:
         raise ValueError(f"kv must have shape {layout}, got {tuple(kv_shape)}")
@@ -346,7 +343,7 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, d)."""
     q_shape = _half("q", q, 3, "(total_q, nheads, head_dim)")
     total_q, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     batch = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     if batch > GRID_YZ_LIMIT:
@@ -394,7 +391,7 @@ def varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, caus
     shape = _half("qkv", qkv, 4, layout)
     if shape[1] != 3:
         raise ValueError(f"qkv must have shape {layout}, got {tuple(shape)}")
-    if shape[3] % 8 or not 8 <= shape[3] <= MAX_HEAD_DIM:
+    if not 1 <= shape[3] <= MAX_HEAD_DIM:
         raise _bad_head_dim("qkv", shape)
     batch = _cu_seqlens("cu_seqlens", cu_seqlens, None)
     if batch > GRID_YZ_LIMIT:
@@ -481,7 +478,7 @@ def kvcache(
     k_cache_shape = _half("k_cache", k_cache, 4, cache_layout, q_dtype=dtype)
     v_cache_shape = _half("v_cache", v_cache, 4, cache_layout, q_dtype=dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if k_cache_shape[3] != head_dim:
         raise ValueError(f"k_cache must have q's head_dim {head_dim}, got shape {tuple(k_cache_shape)}")
@@ -621,7 +618,7 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, leftpad, block_table, pa
 
 def combine(out_partial, lse_partial, out, out_dtype) -> None:
     """flash_attn_combine: out_partial (num_splits, batch, seqlen, nheads, d) and lse_partial
-    (num_splits, batch, seqlen, nheads), both float32; ``out`` and ``out_dtype`` optional."""
+    (num_splits, batch, seqlen, nheads), both float32, any d; ``out`` and ``out_dtype`` optional."""
     layout = "(num_splits, batch, seqlen, nheads, head_dim)"
     shape = _tensor("out_partial", out_partial, (torch.float32,), 5, layout)
     lse_shape = _tensor("lse_partial", lse_partial, (torch.float32,), 4, "(num_splits, batch, seqlen, nheads)")
@@ -629,10 +626,6 @@ def combine(out_partial, lse_partial, out, out_dtype) -> None:
     if lse_shape != shape[:4]:
         raise ValueError(
             f"lse_partial must have shape {tuple(shape[:4])} (out_partial's without head_dim), got {tuple(lse_shape)}"
-        )
-    if head_dim % 4:
-        raise ValueError(
-            f"out_partial must have a head_dim (last dimension) that is a multiple of 4, got shape {tuple(shape)}"
         )
     if not 1 <= num_splits <= MAX_COMBINE_SPLITS:
         raise ValueError(
@@ -648,7 +641,9 @@ def combine(out_partial, lse_partial, out, out_dtype) -> None:
         if out_shape != (batch, seqlen, nheads, head_dim):
             raise ValueError(f"out must have shape {(batch, seqlen, nheads, head_dim)}, got {tuple(out_shape)}")
         strides = out.stride()
-        if strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or out.data_ptr() % 16:
+        # The kernel stores whole float4 chunks into out; a head dim that is not a multiple of 4
+        # goes through a padded buffer copied into out (any layout).
+        if head_dim % 4 == 0 and (strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or out.data_ptr() % 16):
             raise ValueError(
                 f"out must have a contiguous last dimension, other strides that are multiples of 4 and a "
                 f"16-byte aligned start, got strides {strides} at address {out.data_ptr():#x}"
