@@ -574,6 +574,24 @@ def _varlen_backward(ctx, dout, dlse, drng):
 _varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+class _PagedVarlenFwd(torch.autograd.Function):
+    """A paged varlen forward (block_table) whose inputs require grad: the forward runs, a backward
+    through it raises (flash_attn 2 has no backward for paged keys either)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out, lse, _ = _varlen_fwd(*args)  # no dropout state: validation refuses dropout with block_table
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "block_table: a paged varlen call has no backward (paged keys are for inference); pass k/v as "
+            "(total_k, nheads_k, head_dim) to train through it"
+        )
+
+
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -608,15 +626,13 @@ def flash_attn_varlen_func(
                 "block_table: paged varlen calls are not traceable by torch.compile yet (no custom op takes a "
                 "block table); call them outside the compiled region"
             )
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
+                window_size, float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
+                int(num_splits), float(dropout_p))
         if needs_grad:
-            raise NotImplementedError(
-                "block_table: paged keys are for inference; the backward of a paged varlen call is not "
-                "supported (call under torch.no_grad(), or pass k/v as (total_k, nheads_k, head_dim))"
-            )
-        out, lse, _ = _varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
-            window_size, float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
-            int(num_splits), float(dropout_p))
+            out, lse = _PagedVarlenFwd.apply(*args)
+        else:
+            out, lse, _ = _varlen_fwd(*args)
     else:
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
                 bool(causal), *window_size, float(softcap), alibi_slopes, seqused_q, seqused_k, pack_gqa,

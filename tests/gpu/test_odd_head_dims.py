@@ -6,6 +6,9 @@ back (flashgen/runtime/interface.py, HEAD_DIM_MULTIPLE). Each test holds the cal
 to the float32 reference on the unpadded inputs with the default softmax_scale 1/sqrt(d), which a
 scale of the padded dim would fail (at d = 59 the logits are 4% off, at d = 1 by sqrt(8)). d = 200
 is a multiple of 8 between two instances (the predicated path, no padding): the control.
+
+Also here: a paged varlen forward whose inputs require grad runs, and only a backward through it
+raises, naming block_table.
 """
 from __future__ import annotations
 
@@ -191,6 +194,28 @@ def test_varlen_paged_keys(head_dim, page_size):
                           block_table=table, causal=True)
     k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
     check_sequences(out, lse, q, k, v, lengths_q, lengths_k, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 59])
+@pytest.mark.parametrize("grad_of", ["q", "kv"])
+def test_varlen_paged_forward_with_grad(head_dim, grad_of):
+    """flash_attn's chunked-prefill tests call the paged forward on inputs that require grad: it
+    runs (the output of the call without grad, and the reference's), and only a backward through
+    it raises."""
+    lengths_q, lengths_k = [5, 64, 1], [40, 300, 9]
+    q = randn(sum(lengths_q), 4, head_dim)
+    k_cache, v_cache, table = paged(lengths_k, 17, 2, head_dim)
+    args = (cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k))
+    with torch.no_grad():
+        expected, lse, _ = flashgen.flash_attn_varlen_func(q, k_cache, v_cache, *args, block_table=table,
+                                                           causal=True, return_attn_probs=True)
+    k, v = (gather_pages(cache, table, lengths_k) for cache in (k_cache, v_cache))
+    check_sequences(expected, lse, q, k, v, lengths_q, lengths_k, causal=True)
+    inputs = [q.requires_grad_()] if grad_of == "q" else [k_cache.requires_grad_(), v_cache.requires_grad_()]
+    out = flashgen.flash_attn_varlen_func(q, k_cache, v_cache, *args, block_table=table, causal=True)
+    assert out.requires_grad and torch.equal(out, expected)
+    with pytest.raises(NotImplementedError, match="^block_table"):
+        torch.autograd.grad(out, inputs, torch.randn_like(out))
 
 
 # --- flash_attn_with_kvcache and flash_attn_combine -----------------------------------------------------
