@@ -55,3 +55,20 @@ def test_paged_forward_under_no_grad_needs_no_autograd(paged_forward):
     with torch.no_grad():
         out, _ = paged_call(q, torch.randn(2, 8, 1, 8, dtype=F16), torch.randn(2, 8, 1, 8, dtype=F16))
     assert not out.requires_grad and out.grad_fn is None
+
+
+def test_backward_clamps_max_seqlens_as_the_forward_does(monkeypatch):
+    """A huge max_seqlen_q / max_seqlen_k must not size the backward's buffers (the deterministic
+    semaphores are (batch, heads, slices, ceil(max_seqlen_q / block_m))): the varlen backward
+    clamps them to the rows of q and k, as _varlen_fwd does."""
+    from flashgen.runtime import backward
+
+    seen = {}
+    monkeypatch.setattr(backward, "flash_bwd", lambda *args, **kwargs: seen.update(kwargs))
+    total_q, total_k = 7, 11
+    q, k = torch.zeros(total_q, 2, 8, dtype=F16), torch.zeros(total_k, 1, 8, dtype=F16)
+    cu_q, cu_k = torch.tensor([0, 3, total_q], dtype=torch.int32), torch.tensor([0, 5, total_k], dtype=torch.int32)
+    for max_q, max_k, expected in [(2**31 - 1, 2**31 - 1, (total_q, total_k)), (4, 6, (4, 6))]:
+        interface._varlen_bwd(q, q, k, k, q, torch.zeros(2, total_q), q, k, k, cu_q, cu_k, max_q, max_k, 0.35, True,
+                              -1, 0, 0.0, None, None, None, 0.0, torch.zeros(2, dtype=torch.int64), True)
+        assert (seen["max_seqlen_q"], seen["max_seqlen_k"]) == expected

@@ -446,6 +446,13 @@ def flash_attn_kvpacked_func(
 # Variable-length batches: sequences packed along one row dimension, delimited by cu_seqlens.
 
 
+def _clamp_max_seqlens(max_seqlen_q: int, max_seqlen_k: int, total_q: int, capacity: int) -> tuple[int, int]:
+    """No sequence has more rows than its tensor (the kernels clamp each one to it): a larger
+    max_seqlen would only size the grid, the sm90 schedule or the backward's buffers for rows that
+    do not exist. ``capacity``: the key rows (or the paged capacity)."""
+    return min(max_seqlen_q, total_q), min(max_seqlen_k, capacity)
+
+
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits,
                 dropout_p=0.0):
@@ -470,9 +477,7 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         lse.fill_(-float("inf"))
         out.zero_()
         return out, lse, NO_DROPOUT
-    # No sequence has more rows than its tensor (the kernels clamp each one to it): an over-estimate
-    # would only size the grid, or the sm90 schedule, for rows that do not exist.
-    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, capacity)
+    max_seqlen_q, max_seqlen_k = _clamp_max_seqlens(max_seqlen_q, max_seqlen_k, total_q, capacity)
     index = device_index(q)
     info = device_info(index)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -532,8 +537,18 @@ def _varlen_bwd_op(
     seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor], dropout_p: float,
     rng_state: torch.Tensor, deterministic: bool,
 ) -> None:
+    _varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
+                dropout_p, rng_state, deterministic)
+
+
+def _varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
+                dropout_p, rng_state, deterministic) -> None:
+    """The varlen backward op's body: dq, dk, dv (total rows, heads, d) written in place."""
     from .backward import flash_bwd
 
+    max_seqlen_q, max_seqlen_k = _clamp_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
               deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -8,7 +8,7 @@ scale of the padded dim would fail (at d = 59 the logits are 4% off, at d = 1 by
 is a multiple of 8 between two instances (the predicated path, no padding): the control.
 
 Also here: a paged varlen forward whose inputs require grad runs, and only a backward through it
-raises, naming block_table.
+raises, naming block_table; a varlen backward given a huge max_seqlen clamps it as the forward does.
 """
 from __future__ import annotations
 
@@ -216,6 +216,21 @@ def test_varlen_paged_forward_with_grad(head_dim, grad_of):
     assert out.requires_grad and torch.equal(out, expected)
     with pytest.raises(NotImplementedError, match="^block_table"):
         torch.autograd.grad(out, inputs, torch.randn_like(out))
+
+
+@pytest.mark.parametrize("head_dim", [64, 59])
+def test_varlen_backward_clamps_huge_max_seqlen(head_dim):
+    """max_seqlen_q = max_seqlen_k = 2**31 - 1 (valid: the validation's bound) must not size the
+    backward's buffers: deterministic mode allocates a semaphore per query block of max_seqlen_q.
+    The gradients equal, bitwise, those of the call with the true maxima."""
+    q, k, v, cu_q, cu_k = ragged(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    huge = 2**31 - 1
+    grads = varlen_grads(q, k, v, cu_q, cu_k, huge, huge, dout, causal=True, deterministic=True)
+    expected = varlen_grads(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), dout, causal=True,
+                            deterministic=True)
+    for name, g, g_expected in zip(("dq", "dk", "dv"), grads, expected):
+        assert torch.equal(g, g_expected), name
 
 
 # --- flash_attn_with_kvcache and flash_attn_combine -----------------------------------------------------
