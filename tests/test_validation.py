@@ -517,9 +517,24 @@ def test_value_checks():
         (dict(leftpad=torch.tensor([0, 6], dtype=I32)), "cache_leftpad"),
         (dict(block_table=table, page_size=2, num_pages=4), r"block_table\[1\]"),
         (dict(cache_batch_idx=torch.tensor([0, 2], dtype=I32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([1, 1], dtype=I32)), "cache_batch_idx must not repeat"),
     ]:
         with pytest.raises(ValueError, match=rf"^{arg}"):
             validate.kvcache_values(**ok | changes)
+    # Without an append, batch rows may share a cache row: it is only read.
+    validate.kvcache_values(**ok | dict(seqlen_new=0, cache_batch_idx=torch.tensor([1, 1], dtype=I32)))
+
+
+def test_check_inputs_reports_cache_rows_shared_by_an_append(monkeypatch):
+    """Through flash_attn_with_kvcache on CPU tensors (the device check off): the duplicate
+    cache_batch_idx entries are reported before anything is launched."""
+    monkeypatch.setenv("FLASHGEN_CHECK_INPUTS", "1")
+    monkeypatch.setattr(validate, "_on_device", lambda *args: None)
+    fn, kwargs = BASES["kvcache"]
+    rows = lambda device: torch.tensor([2, 2], dtype=I32, device=device)  # noqa: E731
+    shared = build({**kwargs, "cache_batch_idx": rows, "cache_seqlens": rows}, "cpu")
+    with pytest.raises(ValueError, match=r"^cache_batch_idx must not repeat a cache row when k and v are appended"):
+        fn(**shared)
 
 
 def test_varlen_value_checks():

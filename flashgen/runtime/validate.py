@@ -614,6 +614,12 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, leftpad, block_table, pa
         idx = cache_batch_idx.cpu()
         if ((idx < 0) | (idx >= cache_batch)).any():
             raise ValueError(f"cache_batch_idx must lie in [0, {cache_batch}), got {idx.tolist()}")
+        # Two batch rows appending to one cache row write the same positions (a race); reading one
+        # row for several batch rows is fine.
+        if seqlen_new and idx.unique().numel() < idx.numel():
+            raise ValueError(
+                f"cache_batch_idx must not repeat a cache row when k and v are appended, got {idx.tolist()}"
+            )
 
 
 def combine(out_partial, lse_partial, out, out_dtype) -> None:
