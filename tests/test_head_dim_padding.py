@@ -155,7 +155,8 @@ def test_varlen(kernels, packed):
         dq, dkv = torch.autograd.grad(out, (q, kv), dout)
         dk, dv = dkv.unbind(1)
     else:
-        out, lse, _ = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True, return_attn_probs=True)
+        out, lse, _ = flashgen.flash_attn_varlen_func(q, k, v, cu, cu, total, total, causal=True,
+                                                      return_attn_probs=True)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert_close(out, expected[0])
     assert_close(lse, expected_lse[0])
@@ -175,7 +176,8 @@ def cache_kernel(monkeypatch):
                     cache_leftpad, block_table, softmax_scale, causal, softcap, rotary_interleaved, alibi_slopes,
                     num_splits, pack_gqa, call):
         seen.append((q.shape[-1], softmax_scale))
-        assert all(x.shape[-1] % interface.HEAD_DIM_MULTIPLE == 0 for x in (q, k_cache, v_cache, k, v) if x is not None)
+        padded = [x for x in (q, k_cache, v_cache, k, v) if x is not None]
+        assert all(x.shape[-1] % interface.HEAD_DIM_MULTIPLE == 0 for x in padded)
         ref = kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, block_table, softmax_scale, causal, call.window_size, softcap,
                           rotary_interleaved, alibi_slopes)
