@@ -14,6 +14,7 @@ import math
 import re
 import typing
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,11 @@ def strided_vector(n, dtype=I32):
 def misaligned(*shape, dtype=F16):
     """A contiguous tensor whose data starts one element past a 16-byte boundary."""
     return lambda device: torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+def tensor(values):
+    """torch.tensor(values) on the device under test."""
+    return lambda device: torch.tensor(values, device=device)
 
 
 def build(kwargs: dict, device: str) -> dict:
@@ -119,6 +125,7 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "softmax_scale-inf", ValueError, "softmax_scale", softmax_scale=math.inf),
         bad(base, "softmax_scale-nan", ValueError, "softmax_scale", softmax_scale=math.nan),
         bad(base, "softmax_scale-str", TypeError, "softmax_scale", softmax_scale="0.1"),
+        bad(base, "softmax_scale-bool", TypeError, "softmax_scale", softmax_scale=True),
         bad(base, "window-left-below-minus-1", ValueError, "window_size", window_size=(-2, -1)),
         bad(base, "window-right-below-minus-1", ValueError, "window_size", window_size=(16, -5)),
         bad(base, "window-past-int64", ValueError, "window_size", window_size=(2**63, 0)),
@@ -127,6 +134,17 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "window-float", TypeError, "window_size", window_size=(16.0, 0)),
         bad(base, "window-int", TypeError, "window_size", window_size=16),
         bad(base, "window-none", TypeError, "window_size", window_size=None),
+        bad(base, "window-str", TypeError, "window_size", window_size="ab"),
+        bad(base, "window-bool", TypeError, "window_size", window_size=(True, 0)),
+        bad(base, "window-numpy-bool", TypeError, "window_size", window_size=(0, np.bool_(False))),
+        bad(base, "window-numpy-float", TypeError, "window_size", window_size=np.array([4.0, 0.0])),
+        bad(base, "window-float-tensor", TypeError, "window_size", window_size=tensor([4.0, 0.0])),
+        bad(base, "window-bool-tensor", TypeError, "window_size", window_size=tensor([True, False])),
+        bad(base, "window-tensor-three-values", ValueError, "window_size", window_size=tensor([1, 2, 3])),
+        bad(base, "window-tensor-2d", ValueError, "window_size", window_size=tensor([[1, 2]])),
+        bad(base, "window-tensor-below-minus-1", ValueError, "window_size", window_size=tensor([-2, 0])),
+        bad(base, "window-tensor-elements", TypeError, "window_size",
+            window_size=lambda d: tuple(torch.tensor([3, 0], device=d))),
         bad(base, "softcap-negative", ValueError, "softcap", softcap=-1.0),
         bad(base, "softcap-inf", ValueError, "softcap", softcap=math.inf),
         bad(base, "softcap-nan", ValueError, "softcap", softcap=math.nan),
@@ -145,6 +163,12 @@ def option_cases(base: str) -> list[Bad]:
         bad(base, "alibi-3d", ValueError, "alibi_slopes", alibi_slopes=z(2, 4, 1, dtype=F32)),
         bad(base, "alibi-strided", ValueError, "alibi_slopes", alibi_slopes=strided_last(4, dtype=F32)),
     ]
+    flags = ("causal", "rotary_interleaved", "return_softmax_lse") if base == "kvcache" else (
+        "causal", "deterministic", "return_attn_probs")
+    for flag in flags:
+        # Each of these is truthy or falsy: taken as a flag, "False" would turn the option on.
+        for what, value in (("str", "False"), ("none", None), ("int", 1), ("float", 0.0), ("tensor", tensor(True))):
+            cases.append(bad(base, f"{flag}-{what}", TypeError, flag, **{flag: value}))
     if base in ("varlen_qkvpacked", "varlen_kvpacked"):  # flash_attn's packed varlen API: no FA3 options
         cases = [c for c in cases if c.arg not in ("num_splits", "pack_gqa")]
     if base != "kvcache":
@@ -171,8 +195,6 @@ BAD = [
     bad("func", "k-5d", ValueError, "k", k=z(2, 24, 2, 1, 64)),
     bad("func", "v-3d", ValueError, "v", v=z(2, 24, 128)),
     bad("func", "head_dim-264", ValueError, "q", q=z(2, 16, 4, 264), k=z(2, 24, 2, 264), v=z(2, 24, 2, 264)),
-    bad("func", "head_dim-100", ValueError, "q", q=z(2, 16, 4, 100), k=z(2, 24, 2, 100), v=z(2, 24, 2, 100)),
-    bad("func", "head_dim-4", ValueError, "q", q=z(2, 16, 4, 4), k=z(2, 24, 2, 4), v=z(2, 24, 2, 4)),
     bad("func", "head_dim-0", ValueError, "q", q=z(2, 16, 4, 0), k=z(2, 24, 2, 0), v=z(2, 24, 2, 0)),
     bad("func", "nheads-not-multiple", ValueError, "k", k=z(2, 24, 3, 64), v=z(2, 24, 3, 64)),
     bad("func", "nheads_k-zero", ValueError, "k", k=z(2, 24, 0, 64), v=z(2, 24, 0, 64)),
@@ -195,7 +217,7 @@ BAD = [
     bad("qkvpacked", "qkv-4d", ValueError, "qkv", qkv=z(2, 16, 12, 64)),
     bad("qkvpacked", "qkv-two-parts", ValueError, "qkv", qkv=z(2, 16, 2, 4, 64)),
     bad("qkvpacked", "head_dim-264", ValueError, "qkv", qkv=z(2, 16, 3, 4, 264)),
-    bad("qkvpacked", "head_dim-60", ValueError, "qkv", qkv=z(2, 16, 3, 4, 60)),
+    bad("qkvpacked", "head_dim-0", ValueError, "qkv", qkv=z(2, 16, 3, 4, 0)),
     bad("qkvpacked", "no-heads", ValueError, "qkv", qkv=z(2, 16, 3, 0, 64)),
     bad("qkvpacked", "qkv-strided-last-dim", ValueError, "qkv", qkv=strided_last(2, 16, 3, 4, 64)),
     bad("qkvpacked", "batch-over-grid-limit", ValueError, "qkv", qkv=z(65536, 1, 3, 1, 8)),
@@ -221,8 +243,8 @@ BAD = [
     bad("kvcache", "q-strided-last-dim", ValueError, "q", q=strided_last(2, 1, 4, 64)),
     bad("kvcache", "head_dim-264", ValueError, "q", q=z(2, 1, 4, 264), k_cache=z(3, 32, 2, 264),
         v_cache=z(3, 32, 2, 264), k=z(2, 1, 2, 264), v=z(2, 1, 2, 264), rotary_cos=None, rotary_sin=None),
-    bad("kvcache", "head_dim-20", ValueError, "q", q=z(2, 1, 4, 20), k_cache=z(3, 32, 2, 20),
-        v_cache=z(3, 32, 2, 20), k=z(2, 1, 2, 20), v=z(2, 1, 2, 20), rotary_cos=None, rotary_sin=None),
+    bad("kvcache", "head_dim-0", ValueError, "q", q=z(2, 1, 4, 0), k_cache=z(3, 32, 2, 0),
+        v_cache=z(3, 32, 2, 0), k=z(2, 1, 2, 0), v=z(2, 1, 2, 0), rotary_cos=None, rotary_sin=None),
     bad("kvcache", "q-no-heads", ValueError, "q", q=z(2, 1, 0, 64)),
     bad("kvcache", "k_cache-fp32", TypeError, "k_cache", k_cache=z(3, 32, 2, 64, dtype=F32)),
     bad("kvcache", "k_cache-bf16-q-fp16", TypeError, "k_cache", k_cache=z(3, 32, 2, 64, dtype=BF16)),
@@ -287,6 +309,7 @@ BAD = [
     bad("varlen", "q-4d", ValueError, "q", q=z(2, 5, 4, 64)),
     bad("varlen", "q-strided-last-dim", ValueError, "q", q=strided_last(10, 4, 64)),
     bad("varlen", "head_dim-264", ValueError, "q", q=z(10, 4, 264), k=z(12, 2, 264), v=z(12, 2, 264)),
+    bad("varlen", "head_dim-0", ValueError, "q", q=z(10, 4, 0), k=z(12, 2, 0), v=z(12, 2, 0)),
     bad("varlen", "k-bf16-q-fp16", TypeError, "k", k=z(12, 2, 64, dtype=BF16)),
     bad("varlen", "k-4d-without-block_table", ValueError, "k", k=z(2, 6, 2, 64), v=z(2, 6, 2, 64)),
     bad("varlen", "nheads-not-multiple", ValueError, "k", k=z(12, 3, 64), v=z(12, 3, 64)),
@@ -338,8 +361,6 @@ BAD = [
     bad("combine", "lse_partial-fp16", TypeError, "lse_partial", lse_partial=z(3, 2, 5, 4)),
     bad("combine", "lse_partial-5d", ValueError, "lse_partial", lse_partial=z(3, 2, 5, 4, 1, dtype=F32)),
     bad("combine", "lse_partial-shape", ValueError, "lse_partial", lse_partial=z(2, 2, 5, 4, dtype=F32)),
-    bad("combine", "head_dim-not-multiple-of-4", ValueError, "out_partial",
-        out_partial=z(3, 2, 5, 4, 62, dtype=F32), out=None),
     bad("combine", "zero-splits", ValueError, "out_partial",
         out_partial=z(0, 2, 5, 4, 64, dtype=F32), lse_partial=z(0, 2, 5, 4, dtype=F32)),
     bad("combine", "too-many-splits", ValueError, "out_partial",
@@ -372,31 +393,55 @@ GOOD = [
     good("func", "k-heads-before-seqlen", k=lambda d: torch.zeros(2, 2, 24, 64, dtype=F16, device=d).transpose(1, 2)),
     good("func", "options", causal=True, window_size=[-1, 0], softcap=30, softmax_scale=1, dropout_p=0,
          num_splits=0, pack_gqa=True, deterministic=True, return_attn_probs=True),
+    good("func", "window-tensor", window_size=tensor([3, 0])),
+    good("func", "window-int32-tensor-numpy-flags", window_size=lambda d: torch.tensor([-1, 5], dtype=I32, device=d),
+         causal=np.bool_(True), deterministic=np.bool_(False), return_attn_probs=np.bool_(True)),
+    good("func", "window-numpy-integers", window_size=(np.int64(4), np.int32(-1))),
+    good("func", "window-numpy-array", window_size=np.array([2, 2], dtype=np.uint8)),
+    good("func", "head_dim-1", q=z(2, 16, 4, 1), k=z(2, 24, 2, 1), v=z(2, 24, 2, 1)),
+    good("func", "head_dim-59", q=z(2, 16, 4, 59), k=z(2, 24, 2, 59), v=z(2, 24, 2, 59)),
+    good("func", "head_dim-255-bf16", q=z(1, 3, 2, 255, dtype=BF16), k=z(1, 5, 2, 255, dtype=BF16),
+         v=z(1, 5, 2, 255, dtype=BF16)),
     good("func", "window-alibi-per-batch", window_size=(128, 5), pack_gqa=False, num_splits=7,
          alibi_slopes=z(2, 4, dtype=F32)),
     good("qkvpacked", "alibi-per-head", alibi_slopes=z(4, dtype=F32), window_size=(0, 0)),
+    good("qkvpacked", "head_dim-60", qkv=z(2, 16, 3, 4, 60)),
     good("kvpacked", "alibi-per-batch", softcap=0.0, num_splits=0, alibi_slopes=z(2, 4, dtype=F32)),
+    good("kvpacked", "head_dim-3", q=z(2, 16, 4, 3), kv=z(2, 24, 2, 2, 3)),
     good("kvcache", "base"),
     good("kvcache", "rotary_dim-equals-head_dim-bf16-tables", k=None, v=None, cache_seqlens=None,
          rotary_cos=z(32, 32, dtype=BF16), rotary_sin=z(32, 32, dtype=BF16)),
     good("kvcache", "int-cache_seqlens", cache_seqlens=31, cache_batch_idx=None, cache_leftpad=None),
     good("kvcache", "append-fills-the-cache", k=z(2, 32, 2, 64), v=z(2, 32, 2, 64), cache_seqlens=0),
     good("kvcache", "options", alibi_slopes=z(2, 4, dtype=F32), window_size=(8, 0), num_splits=3, pack_gqa=False),
+    good("kvcache", "flags", causal=True, rotary_interleaved=np.bool_(False), return_softmax_lse=True,
+         window_size=tensor([4, 0])),
+    good("kvcache", "head_dim-20-full-rotary", q=z(2, 1, 4, 20), k_cache=z(3, 32, 2, 20), v_cache=z(3, 32, 2, 20),
+         k=z(2, 1, 2, 20), v=z(2, 1, 2, 20), rotary_cos=z(32, 10, dtype=F32), rotary_sin=z(32, 10, dtype=F32)),
     good("kvcache_paged", "base"),
     good("kvcache_paged", "block_table-strided-last-dim",
          block_table=lambda d: torch.zeros(4, 2, dtype=I32, device=d).t()),
     good("kvcache_paged", "page-size-1", k_cache=z(5, 1, 2, 64), v_cache=z(5, 1, 2, 64), k=None, v=None),
+    good("kvcache_paged", "head_dim-111", q=z(2, 1, 4, 111), k_cache=z(5, 8, 2, 111), v_cache=z(5, 8, 2, 111),
+         k=z(2, 1, 2, 111), v=z(2, 1, 2, 111)),
     good("varlen", "base"),
     good("varlen", "dropout-splits-gqa-heuristic", dropout_p=0.3, num_splits=0, pack_gqa=None, seqused_q=None,
          causal=True, alibi_slopes=z(2, 4, dtype=F32)),
+    good("varlen", "head_dim-59-window-list", q=z(10, 4, 59), k=z(12, 2, 59), v=z(12, 2, 59), window_size=[3, 3]),
     good("varlen", "empty-total", q=z(0, 4, 64), k=z(0, 2, 64), v=z(0, 2, 64), max_seqlen_q=0, max_seqlen_k=0),
     good("varlen_paged", "base"),
     good("varlen_paged", "page-size-1-seqused_k", k=z(5, 1, 2, 64), v=z(5, 1, 2, 64), seqused_k=z(2, dtype=I32)),
+    good("varlen_paged", "head_dim-1", q=z(10, 4, 1), k=z(5, 8, 2, 1), v=z(5, 8, 2, 1)),
     good("varlen_qkvpacked", "base"),
     good("varlen_qkvpacked", "options", dropout_p=0.5, window_size=(4, 4), softcap=2.0, deterministic=True),
+    good("varlen_qkvpacked", "head_dim-255", qkv=z(10, 3, 4, 255)),
     good("varlen_kvpacked", "base"),
+    good("varlen_kvpacked", "head_dim-7", q=z(10, 4, 7), kv=z(12, 2, 2, 7)),
     good("combine", "base"),
     good("combine", "no-out", out=None, out_dtype=None),
+    # A head dim that is not a multiple of 4 goes through a padded buffer: out may have any layout.
+    good("combine", "head_dim-62", out_partial=z(3, 2, 5, 4, 62, dtype=F32), out=misaligned(2, 5, 4, 62)),
+    good("combine", "head_dim-1-no-out", out_partial=z(3, 2, 5, 4, 1, dtype=F32), out=None, out_dtype=None),
     good("combine", "bf16-out", out=z(2, 5, 4, 64, dtype=BF16), out_dtype=None),
     good("combine", "256-splits", out_partial=z(256, 1, 1, 1, 4, dtype=F32), lse_partial=z(256, 1, 1, 1, dtype=F32),
          out=None),
@@ -416,8 +461,10 @@ def names(case: Bad) -> str:
 
 @pytest.mark.parametrize("case", BAD, ids=lambda c: c.id)
 def test_bad_argument_cpu(case: Bad):
-    with pytest.raises(case.error, match=names(case)):
+    with pytest.raises(case.error, match=names(case)) as error:
         call(case.base, case.changes, "cpu")
+    # The CUDA-tensor error names the first tensor too: it would pass for a call that is valid.
+    assert "must be a CUDA tensor" not in str(error.value)
 
 
 @pytest.mark.parametrize("base, changes", GOOD)
@@ -428,11 +475,10 @@ def test_valid_cpu_call_gets_exactly_the_cuda_error(base, changes):
 
 
 def test_every_argument_is_covered():
-    """Each entry point's arguments all have bad cases, but the booleans (any value is truthy or not)."""
-    booleans = {"causal", "deterministic", "return_attn_probs", "return_softmax_lse", "rotary_interleaved"}
+    """Each entry point's arguments all have bad cases (the flags too: True or False only)."""
     for fn in {fn for fn, _ in BASES.values()}:
         covered = {case.arg for case in BAD if BASES[case.base][0] is fn}
-        missing = set(inspect.signature(fn).parameters) - booleans - covered
+        missing = set(inspect.signature(fn).parameters) - covered
         assert not missing, (fn.__name__, sorted(missing))
 
 
@@ -471,9 +517,24 @@ def test_value_checks():
         (dict(leftpad=torch.tensor([0, 6], dtype=I32)), "cache_leftpad"),
         (dict(block_table=table, page_size=2, num_pages=4), r"block_table\[1\]"),
         (dict(cache_batch_idx=torch.tensor([0, 2], dtype=I32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([1, 1], dtype=I32)), "cache_batch_idx must not repeat"),
     ]:
         with pytest.raises(ValueError, match=rf"^{arg}"):
             validate.kvcache_values(**ok | changes)
+    # Without an append, batch rows may share a cache row: it is only read.
+    validate.kvcache_values(**ok | dict(seqlen_new=0, cache_batch_idx=torch.tensor([1, 1], dtype=I32)))
+
+
+def test_check_inputs_reports_cache_rows_shared_by_an_append(monkeypatch):
+    """Through flash_attn_with_kvcache on CPU tensors (the device check off): the duplicate
+    cache_batch_idx entries are reported before anything is launched."""
+    monkeypatch.setenv("FLASHGEN_CHECK_INPUTS", "1")
+    monkeypatch.setattr(validate, "_on_device", lambda *args: None)
+    fn, kwargs = BASES["kvcache"]
+    rows = lambda device: torch.tensor([2, 2], dtype=I32, device=device)  # noqa: E731
+    shared = build({**kwargs, "cache_batch_idx": rows, "cache_seqlens": rows}, "cpu")
+    with pytest.raises(ValueError, match=r"^cache_batch_idx must not repeat a cache row when k and v are appended"):
+        fn(**shared)
 
 
 def test_varlen_value_checks():

@@ -29,6 +29,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# The kernels move rows in whole 16-byte chunks (8 fp16/bf16 elements). As in flash_attn 2, a call
+# whose head dim is not a multiple of 8 runs on copies padded with zero columns, which change no
+# score and give zero output columns, and its outputs are sliced back; autograd carries the
+# gradients through the pad and the slice. A head dim that is a multiple of 8 skips all of it.
+HEAD_DIM_MULTIPLE = 8
+
+
+def pad_head_dim(x: torch.Tensor, multiple: int = HEAD_DIM_MULTIPLE) -> torch.Tensor:
+    """x with zero columns appended to its last dimension up to a multiple of ``multiple``; x itself
+    when it is one."""
+    extra = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -382,17 +396,23 @@ def flash_attn_func(
     the probabilities or the dropout pattern: flashgen.testing.dropout_keep_mask recomputes the
     pattern from the rng state).
     """
-    validate.fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_attn_probs, pack_gqa, num_splits)
+    head_dim = q.shape[-1]
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    args = (q, k, v, float(softmax_scale), bool(causal), int(window_size[0]), int(window_size[1]),
-            float(softcap), alibi_slopes, pack_gqa, int(num_splits))
+        softmax_scale = head_dim ** -0.5
+    if head_dim % HEAD_DIM_MULTIPLE:
+        q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+    args = (q, k, v, float(softmax_scale), bool(causal), *window_size, float(softcap), alibi_slopes, pack_gqa,
+            int(num_splits))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
         out, lse, _ = _fwd_op(*args, float(dropout_p), bool(deterministic))
     else:
         # Eager inference skips the custom-op dispatch (tens of microseconds per call).
-        out, lse, _ = _fwd(*args[:5], args[5:7], *args[7:], float(dropout_p))
+        out, lse, _ = _fwd(*args[:5], window_size, *args[7:], float(dropout_p))
+    if head_dim % HEAD_DIM_MULTIPLE:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -401,7 +421,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """qkv (batch, seqlen, 3, nheads, d)."""
-    validate.qkvpacked(qkv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                     deterministic, return_attn_probs, pack_gqa, num_splits)
     return flash_attn_func(
         qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
@@ -413,7 +434,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None, deterministic=False, return_attn_probs=False, pack_gqa=None, num_splits=1,
 ):
     """q (batch, seqlen_q, nheads, d), kv (batch, seqlen_k, 2, nheads_k, d)."""
-    validate.kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits)
+    window_size = validate.kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, return_attn_probs, pack_gqa, num_splits)
     return flash_attn_func(
         q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes, deterministic, return_attn_probs, pack_gqa, num_splits,
@@ -422,6 +444,13 @@ def flash_attn_kvpacked_func(
 
 # ---------------------------------------------------------------------------------------------
 # Variable-length batches: sequences packed along one row dimension, delimited by cu_seqlens.
+
+
+def _clamp_max_seqlens(max_seqlen_q: int, max_seqlen_k: int, total_q: int, capacity: int) -> tuple[int, int]:
+    """No sequence has more rows than its tensor (the kernels clamp each one to it): a larger
+    max_seqlen would only size the grid, the sm90 schedule or the backward's buffers for rows that
+    do not exist. ``capacity``: the key rows (or the paged capacity)."""
+    return min(max_seqlen_q, total_q), min(max_seqlen_k, capacity)
 
 
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -448,9 +477,7 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         lse.fill_(-float("inf"))
         out.zero_()
         return out, lse, NO_DROPOUT
-    # No sequence has more rows than its tensor (the kernels clamp each one to it): an over-estimate
-    # would only size the grid, or the sm90 schedule, for rows that do not exist.
-    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, capacity)
+    max_seqlen_q, max_seqlen_k = _clamp_max_seqlens(max_seqlen_q, max_seqlen_k, total_q, capacity)
     index = device_index(q)
     info = device_info(index)
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
@@ -510,8 +537,18 @@ def _varlen_bwd_op(
     seqused_q: typing.Optional[torch.Tensor], seqused_k: typing.Optional[torch.Tensor], dropout_p: float,
     rng_state: torch.Tensor, deterministic: bool,
 ) -> None:
+    _varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
+                dropout_p, rng_state, deterministic)
+
+
+def _varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k,
+                dropout_p, rng_state, deterministic) -> None:
+    """The varlen backward op's body: dq, dk, dv (total rows, heads, d) written in place."""
     from .backward import flash_bwd
 
+    max_seqlen_q, max_seqlen_k = _clamp_max_seqlens(max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
     flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
               deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -552,6 +589,24 @@ def _varlen_backward(ctx, dout, dlse, drng):
 _varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+class _PagedVarlenFwd(torch.autograd.Function):
+    """A paged varlen forward (block_table) whose inputs require grad: the forward runs, a backward
+    through it raises (flash_attn 2 has no backward for paged keys either)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out, lse, _ = _varlen_fwd(*args)  # no dropout state: validation refuses dropout with block_table
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "block_table: a paged varlen call has no backward (paged keys are for inference); pass k/v as "
+            "(total_k, nheads_k, head_dim) to train through it"
+        )
+
+
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -569,10 +624,15 @@ def flash_attn_varlen_func(
     a real length, rows are left unwritten (wrong answers, never stray accesses);
     FLASHGEN_CHECK_INPUTS=1 reports such values.
     """
-    validate.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits)
+    window_size = validate.varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
+        pack_gqa, num_splits)
+    head_dim = q.shape[-1]
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+        softmax_scale = head_dim ** -0.5
+    if head_dim % HEAD_DIM_MULTIPLE:  # paged: the pages are copied too, as flash_attn 2 does
+        q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if block_table is not None:
@@ -581,23 +641,23 @@ def flash_attn_varlen_func(
                 "block_table: paged varlen calls are not traceable by torch.compile yet (no custom op takes a "
                 "block table); call them outside the compiled region"
             )
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
+                window_size, float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
+                int(num_splits), float(dropout_p))
         if needs_grad:
-            raise NotImplementedError(
-                "block_table: paged keys are for inference; the backward of a paged varlen call is not "
-                "supported (call under torch.no_grad(), or pass k/v as (total_k, nheads_k, head_dim))"
-            )
-        out, lse, _ = _varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
-            tuple(window_size), float(softcap), alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa,
-            int(num_splits), float(dropout_p))
+            out, lse = _PagedVarlenFwd.apply(*args)
+        else:
+            out, lse, _ = _varlen_fwd(*args)
     else:
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
-                bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                seqused_q, seqused_k, pack_gqa, int(num_splits))
+                bool(causal), *window_size, float(softcap), alibi_slopes, seqused_q, seqused_k, pack_gqa,
+                int(num_splits))
         if needs_grad or torch.compiler.is_compiling():
             out, lse, _ = _varlen_fwd_op(*args, float(dropout_p), bool(deterministic))
         else:
-            out, lse, _ = _varlen_fwd(*args[:9], args[9:11], args[11], args[12], None, *args[13:], float(dropout_p))
+            out, lse, _ = _varlen_fwd(*args[:9], window_size, args[11], args[12], None, *args[13:], float(dropout_p))
+    if head_dim % HEAD_DIM_MULTIPLE:
+        out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -606,8 +666,8 @@ def flash_attn_varlen_qkvpacked_func(
     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
 ):
     """qkv (total, 3, nheads, d); cu_seqlens int32 (batch + 1,)."""
-    validate.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,
-                              alibi_slopes)
+    window_size = validate.varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return flash_attn_varlen_func(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,

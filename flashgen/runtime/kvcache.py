@@ -12,7 +12,7 @@ from . import params as params_mod
 from . import tma, validate
 from .device import device_index, device_info
 from .dispatch import plan_fwd
-from .interface import _aligned, _launch, launch_combine, run_fwd
+from .interface import HEAD_DIM_MULTIPLE, _aligned, _launch, launch_combine, pad_head_dim, run_fwd
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -31,10 +31,37 @@ def flash_attn_with_kvcache(
     cache_seqlens .. cache_seqlens + seqlen_new (rotated first when rotary tables are given) and
     attended to. Returns ``out`` or ``(out, softmax_lse)``.
     """
-    paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim = validate.kvcache(
+    call = validate.kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, pack_gqa,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse, pack_gqa,
     )
+    head_dim = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    args = (rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+            causal, softcap, rotary_interleaved, alibi_slopes, num_splits, pack_gqa, call)
+    if head_dim % HEAD_DIM_MULTIPLE == 0:
+        out, lse = _kvcache_fwd(q, k_cache, v_cache, k, v, *args)
+    else:
+        # As flash_attn 2 does (mha_fwd_kvcache): run on padded copies of q, the caches and the new
+        # rows, then copy the caches back whole when rows were appended. Slow (the caches are copied
+        # twice) but correct; such head dims are rare in inference.
+        k_cache_padded, v_cache_padded = pad_head_dim(k_cache), pad_head_dim(v_cache)
+        k_padded, v_padded = (pad_head_dim(k), pad_head_dim(v)) if k is not None else (None, None)
+        out, lse = _kvcache_fwd(pad_head_dim(q), k_cache_padded, v_cache_padded, k_padded, v_padded, *args)
+        out = out[..., :head_dim]
+        if k is not None:
+            k_cache.copy_(k_cache_padded[..., :head_dim])
+            v_cache.copy_(v_cache_padded[..., :head_dim])
+    return (out, lse) if return_softmax_lse else out
+
+
+def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, softcap, rotary_interleaved, alibi_slopes, num_splits, pack_gqa,
+                 call: validate.KVCacheCall):
+    """A validated flash_attn_with_kvcache call whose head dim is a multiple of 8: (out, softmax_lse)."""
+    paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim, window_size = call
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
     if paged and block_table.stride(-1) != 1:
@@ -54,14 +81,12 @@ def flash_attn_with_kvcache(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if batch == 0 or seqlen_q == 0:
-        return (out, lse) if return_softmax_lse else out
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
+        return out, lse
     index = device_index(q)
     info = device_info(index)
     plan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity,
-        nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=tuple(window_size),
+        nheads=nheads, nheads_k=nheads_k, causal=bool(causal), window_size=window_size,
         softcap=float(softcap), pack_gqa=pack_gqa, device=info, paged=paged, num_splits=int(num_splits),
         family=config.forced_family(), page_size=page_size if paged else 0, leftpad=cache_leftpad is not None,
         # Calls with more query rows than the decode tile's may take the sm90 forward
@@ -91,7 +116,7 @@ def flash_attn_with_kvcache(
         seqused_k=cache_seqlens, seqlen_k_new=seqlen_new, leftpad_k=cache_leftpad,
         kv_batch_idx=cache_batch_idx, block_table=block_table, page_size=page_size, kv_batch=cache_batch,
     )
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
 
 
 def _append_rotary(q, q_out, k, v, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
@@ -136,6 +161,13 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     """
     validate.combine(out_partial, lse_partial, out, out_dtype)
     num_splits, batch, seqlen, nheads, head_dim = out_partial.shape
+    if head_dim % 4:  # the kernel moves float4 chunks: merge zero-padded rows, keep the call's columns
+        dtype = out_dtype or (out.dtype if out is not None else torch.float32)
+        merged, lse = flash_attn_combine(pad_head_dim(out_partial, 4), lse_partial, out_dtype=dtype)
+        if out is None:
+            return merged[..., :head_dim], lse
+        out.copy_(merged[..., :head_dim])
+        return out, lse
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else torch.float32
     if out is None:

@@ -10,13 +10,20 @@ NotImplementedError (dropout under graph capture), and its message starts with t
 accepted and what was given.
 
 These run on every call: plain Python, no tensor ops, no device syncs (``kvcache_values``, opted
-into with FLASHGEN_CHECK_INPUTS, is the exception). Exact-type tests come before the ``numbers``
-ABCs, whose isinstance costs about ten times as much.
+into with FLASHGEN_CHECK_INPUTS, is the exception; so is a ``window_size`` given as a CUDA tensor,
+read once on the host). Exact-type tests come before the ``numbers`` ABCs, whose isinstance costs
+about ten times as much.
+
+The attention entry points return ``window_size`` as a tuple of two Python ints, the form the
+custom ops take.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import operator
+import sys
+import typing
 
 import torch
 
@@ -74,10 +81,7 @@ def _half(name: str, t, ndim: int = 4, layout: str = _QKV, q_dtype=None) -> torc
 # per check would cost more than the check), each message here.
 
 def _bad_head_dim(name: str, shape: torch.Size) -> ValueError:
-    return ValueError(
-        f"{name} must have a head_dim (last dimension) that is a multiple of 8 in [8, {MAX_HEAD_DIM}], "
-        f"got shape {tuple(shape)}"
-    )
+    return ValueError(f"{name} must have a head_dim (last dimension) in [1, {MAX_HEAD_DIM}], got shape {tuple(shape)}")
 
 
 def _bad_nheads_k(name: str, nheads_k: int, nheads: int, shape: torch.Size) -> ValueError:
@@ -106,6 +110,52 @@ def _not_integer(name: str, x, accepted: str) -> TypeError:
     return TypeError(f"{name} must be {accepted}, got {x!r} ({type(x).__name__})")
 
 
+def _flag(name: str, x) -> None:
+    """True or False (a numpy.bool_ too): anything else, a string such as "False" included, is an
+    error rather than a truthiness."""
+    if x is True or x is False:
+        return
+    numpy = sys.modules.get("numpy")  # imported by whoever made a numpy.bool_
+    if numpy is None or not isinstance(x, numpy.bool_):
+        raise TypeError(f"{name} must be True or False, got {x!r} ({type(x).__name__})")
+
+
+_WINDOW_ACCEPTED = (
+    "a pair (left, right) of integers in [-1, 2**63) (-1 = infinite): a tuple, a list or a 2-element integer tensor"
+)
+
+
+def _window(window_size) -> tuple[int, int]:
+    """window_size as a tuple of two Python ints. A tensor (or numpy array) is read once on the host."""
+    if type(window_size) is tuple and len(window_size) == 2:
+        left, right = window_size
+        if type(left) is int and type(right) is int and -1 <= left <= INT64_MAX and -1 <= right <= INT64_MAX:
+            return window_size
+    pair = window_size
+    numpy = sys.modules.get("numpy")
+    if isinstance(window_size, torch.Tensor) or (numpy is not None and isinstance(window_size, numpy.ndarray)):
+        dtype = window_size.dtype
+        integer = (not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
+                   if isinstance(window_size, torch.Tensor) else dtype.kind in "iu")
+        if not integer:
+            raise TypeError(f"window_size must be {_WINDOW_ACCEPTED}, got a {type(window_size).__name__} of {dtype}")
+        if tuple(window_size.shape) != (2,):
+            raise ValueError(f"window_size must be {_WINDOW_ACCEPTED}, got one of shape {tuple(window_size.shape)}")
+        pair = window_size.tolist()
+    elif not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be {_WINDOW_ACCEPTED}, got {window_size!r} ({type(window_size).__name__})")
+    if len(pair) != 2:
+        raise ValueError(f"window_size must be {_WINDOW_ACCEPTED}, got {window_size!r}")
+    for w in pair:
+        # bool is an Integral, but True is no window size; numpy integers are Integral.
+        if type(w) is bool or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size must be {_WINDOW_ACCEPTED}, got {window_size!r}")
+    left, right = operator.index(pair[0]), operator.index(pair[1])
+    if not (-1 <= left <= INT64_MAX and -1 <= right <= INT64_MAX):
+        raise ValueError(f"window_size must be {_WINDOW_ACCEPTED}, got {window_size!r}")
+    return left, right
+
+
 def _dropout(dropout_p) -> None:
     accepted = "a number in [0, 1)"
     p = _real("dropout_p", dropout_p, accepted)
@@ -117,23 +167,16 @@ def _dropout(dropout_p) -> None:
         )
 
 
-def _options(softmax_scale, window_size, softcap, num_splits, pack_gqa) -> None:
-    """The scalar options every attention entry point takes."""
+def _options(softmax_scale, window_size, softcap, num_splits, pack_gqa) -> tuple[int, int]:
+    """The scalar options every attention entry point takes; returns window_size as two ints."""
     if softmax_scale is not None:
         accepted = "a positive finite number or None (1 / sqrt(head_dim))"
+        if type(softmax_scale) is bool:  # a Real, but True is no scale
+            raise TypeError(f"softmax_scale must be {accepted}, got {softmax_scale!r}")
         scale = _real("softmax_scale", softmax_scale, accepted)
         if not (scale > 0.0 and math.isfinite(scale)):
             raise ValueError(f"softmax_scale must be {accepted}, got {softmax_scale!r}")
-    accepted = "a pair (left, right) of integers in [-1, 2**63) (-1 = infinite)"
-    if not isinstance(window_size, (tuple, list)):
-        raise TypeError(f"window_size must be {accepted}, got {window_size!r} ({type(window_size).__name__})")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be {accepted}, got {window_size!r}")
-    for w in window_size:
-        if type(w) is not int and not isinstance(w, numbers.Integral):
-            raise TypeError(f"window_size must be {accepted}, got {window_size!r}")
-        if not -1 <= w <= INT64_MAX:
-            raise ValueError(f"window_size must be {accepted}, got {window_size!r}")
+    window = _window(window_size)
     accepted = "a finite number >= 0 (0 = off)"
     cap = _real("softcap", softcap, accepted)
     if not (cap >= 0.0 and math.isfinite(cap)):
@@ -147,6 +190,7 @@ def _options(softmax_scale, window_size, softcap, num_splits, pack_gqa) -> None:
         raise TypeError(
             f"pack_gqa must be None (automatic), True or False, got {pack_gqa!r} ({type(pack_gqa).__name__})"
         )
+    return window
 
 
 def _alibi(alibi_slopes, batch: int, nheads: int) -> None:
@@ -187,13 +231,20 @@ def _on_device(first: str, t, *others) -> None:
 # Entry points
 
 
-def fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits) -> None:
+def _fwd_flags(causal, deterministic, return_attn_probs) -> None:
+    _flag("causal", causal)
+    _flag("deterministic", deterministic)
+    _flag("return_attn_probs", return_attn_probs)
+
+
+def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, pack_gqa, num_splits) -> tuple[int, int]:
     """flash_attn_func: q (batch, seqlen_q, nheads, d), k/v (batch, seqlen_k, nheads_k, d)."""
     q_shape = _half("q", q)
     k_shape = _half("k", k, q_dtype=q.dtype)
     v_shape = _half("v", v, q_dtype=q.dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if k_shape[0] != batch or k_shape[3] != head_dim:
         raise ValueError(
@@ -207,38 +258,44 @@ def fwd(q, k, v, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, p
     if batch > GRID_YZ_LIMIT:
         raise _bad_batch("q", batch)
     _dropout(dropout_p)
-    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    _fwd_flags(causal, deterministic, return_attn_probs)
+    window = _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, nheads)
     _on_device("q", q, ("k", k), ("v", v), ("alibi_slopes", alibi_slopes))
+    return window
 
 
-def qkvpacked(qkv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits) -> None:
+def qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_attn_probs, pack_gqa, num_splits) -> tuple[int, int]:
     """flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, nheads, d)."""
     layout = "(batch, seqlen, 3, nheads, head_dim)"
     shape = _half("qkv", qkv, 5, layout)
     if shape[2] != 3:
         raise ValueError(f"qkv must have shape {layout}, got {tuple(shape)}")
-    if shape[4] % 8 or not 8 <= shape[4] <= MAX_HEAD_DIM:
+    if not 1 <= shape[4] <= MAX_HEAD_DIM:
         raise _bad_head_dim("qkv", shape)
     if shape[3] == 0:
         raise ValueError(f"qkv must have at least one head (shape[3]), got shape {tuple(shape)}")
     if shape[0] > GRID_YZ_LIMIT:
         raise _bad_batch("qkv", shape[0])
     _dropout(dropout_p)
-    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    _fwd_flags(causal, deterministic, return_attn_probs)
+    window = _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, shape[0], shape[3])
     _on_device("qkv", qkv, ("alibi_slopes", alibi_slopes))
+    return window
 
 
-def kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes, pack_gqa, num_splits) -> None:
+def kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, pack_gqa, num_splits) -> tuple[int, int]:
     """flash_attn_kvpacked_func: q (batch, seqlen_q, nheads, d), kv (batch, seqlen_k, 2, nheads_k, d)."""
     layout = "(batch, seqlen_k, 2, nheads_k, head_dim)"
     q_shape = _half("q", q)
     kv_shape = _half("kv", kv, 5, layout, q_dtype=q.dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if kv_shape[2] != 2:
         raise ValueError(f"kv must have shape {layout}, got {tuple(kv_shape)}")
@@ -252,10 +309,12 @@ def kvpacked(q, kv, dropout_p, softmax_scale, window_size, softcap, alibi_slopes
     if batch > GRID_YZ_LIMIT:
         raise _bad_batch("q", batch)
     _dropout(dropout_p)
-    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    _fwd_flags(causal, deterministic, return_attn_probs)
+    window = _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, nheads)
     _on_device("q", q, ("kv", kv), ("alibi_slopes", alibi_slopes))
+    return window
 
 
 def _cu_seqlens(name: str, t, batch_plus_one: int | None) -> int:
@@ -277,13 +336,14 @@ def _max_seqlen(name: str, x) -> None:
         raise ValueError(f"{name} must be {accepted}, below 2**31, got {x}")
 
 
-def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-           window_size, softcap, alibi_slopes, block_table, seqused_q, seqused_k, pack_gqa, num_splits) -> None:
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+           window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
+           pack_gqa, num_splits) -> tuple[int, int]:
     """flash_attn_varlen_func: q (total_q, nheads, d); k/v (total_k, nheads_k, d), or with
     ``block_table`` (batch, max_pages) int32 a paged cache (num_pages, page_size, nheads_k, d)."""
     q_shape = _half("q", q, 3, "(total_q, nheads, head_dim)")
     total_q, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     batch = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
     if batch > GRID_YZ_LIMIT:
@@ -314,32 +374,36 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop
     _dropout(dropout_p)
     if paged and dropout_p > 0:
         raise ValueError(f"dropout_p must be 0 with block_table (paged keys are for inference), got {dropout_p!r}")
-    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    _fwd_flags(causal, deterministic, return_attn_probs)
+    window = _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, nheads)
     _on_device("q", q, ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                ("block_table", block_table), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
                ("alibi_slopes", alibi_slopes))
+    return window
 
 
-def varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window_size, softcap,
-                     alibi_slopes) -> None:
+def varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, return_attn_probs) -> tuple[int, int]:
     """flash_attn_varlen_qkvpacked_func: qkv (total, 3, nheads, d), cu_seqlens (batch + 1,)."""
     layout = "(total, 3, nheads, head_dim)"
     shape = _half("qkv", qkv, 4, layout)
     if shape[1] != 3:
         raise ValueError(f"qkv must have shape {layout}, got {tuple(shape)}")
-    if shape[3] % 8 or not 8 <= shape[3] <= MAX_HEAD_DIM:
+    if not 1 <= shape[3] <= MAX_HEAD_DIM:
         raise _bad_head_dim("qkv", shape)
     batch = _cu_seqlens("cu_seqlens", cu_seqlens, None)
     if batch > GRID_YZ_LIMIT:
         raise _bad_batch("cu_seqlens", batch)
     _max_seqlen("max_seqlen", max_seqlen)
     _dropout(dropout_p)
-    _options(softmax_scale, window_size, softcap, 1, None)
+    _fwd_flags(causal, deterministic, return_attn_probs)
+    window = _options(softmax_scale, window_size, softcap, 1, None)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, shape[2])
     _on_device("qkv", qkv, ("cu_seqlens", cu_seqlens), ("alibi_slopes", alibi_slopes))
+    return window
 
 
 def varlen_kvpacked(q, kv) -> None:
@@ -388,12 +452,24 @@ def varlen_values(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_
                 raise ValueError(f"block_table[{b}] holds page indices outside [0, {num_pages}): {needed.tolist()}")
 
 
+class KVCacheCall(typing.NamedTuple):
+    """What validate.kvcache works out about a flash_attn_with_kvcache call."""
+
+    paged: bool
+    page_size: int      # 1 without block_table
+    capacity: int       # cache positions per batch row
+    cache_batch: int    # rows of the cache (pages with block_table)
+    seqlen_new: int     # rows appended (0 without k and v)
+    rotary_dim: int     # 0 without rotary tables
+    window_size: tuple[int, int]
+
+
 def kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-    block_table, softmax_scale, window_size, softcap, alibi_slopes, num_splits, pack_gqa,
-) -> tuple[bool, int, int, int, int, int]:
-    """flash_attn_with_kvcache. Returns what the checks worked out about the cache:
-    (paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim)."""
+    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+    return_softmax_lse, pack_gqa,
+) -> KVCacheCall:
+    """flash_attn_with_kvcache."""
     q_shape = _half("q", q)
     dtype = q.dtype
     cache_layout = (
@@ -402,7 +478,7 @@ def kvcache(
     k_cache_shape = _half("k_cache", k_cache, 4, cache_layout, q_dtype=dtype)
     v_cache_shape = _half("v_cache", v_cache, 4, cache_layout, q_dtype=dtype)
     batch, _, nheads, head_dim = q_shape
-    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise _bad_head_dim("q", q_shape)
     if k_cache_shape[3] != head_dim:
         raise ValueError(f"k_cache must have q's head_dim {head_dim}, got shape {tuple(k_cache_shape)}")
@@ -414,7 +490,10 @@ def kvcache(
         raise _bad_nheads_k("k_cache", nheads_k, nheads, k_cache_shape)
     if v_cache_shape != k_cache_shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache_shape)}, got {tuple(v_cache_shape)}")
-    _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
+    _flag("causal", causal)
+    _flag("rotary_interleaved", rotary_interleaved)
+    _flag("return_softmax_lse", return_softmax_lse)
+    window = _options(softmax_scale, window_size, softcap, num_splits, pack_gqa)
     if alibi_slopes is not None:
         _alibi(alibi_slopes, batch, nheads)
 
@@ -507,7 +586,7 @@ def kvcache(
         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
         ("alibi_slopes", alibi_slopes), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
     )
-    return paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim
+    return KVCacheCall(paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim, window)
 
 
 def kvcache_values(cache_seqlens, seqlen_new, capacity, leftpad, block_table, page_size, num_pages,
@@ -535,11 +614,17 @@ def kvcache_values(cache_seqlens, seqlen_new, capacity, leftpad, block_table, pa
         idx = cache_batch_idx.cpu()
         if ((idx < 0) | (idx >= cache_batch)).any():
             raise ValueError(f"cache_batch_idx must lie in [0, {cache_batch}), got {idx.tolist()}")
+        # Two batch rows appending to one cache row write the same positions (a race); reading one
+        # row for several batch rows is fine.
+        if seqlen_new and idx.unique().numel() < idx.numel():
+            raise ValueError(
+                f"cache_batch_idx must not repeat a cache row when k and v are appended, got {idx.tolist()}"
+            )
 
 
 def combine(out_partial, lse_partial, out, out_dtype) -> None:
     """flash_attn_combine: out_partial (num_splits, batch, seqlen, nheads, d) and lse_partial
-    (num_splits, batch, seqlen, nheads), both float32; ``out`` and ``out_dtype`` optional."""
+    (num_splits, batch, seqlen, nheads), both float32, any d; ``out`` and ``out_dtype`` optional."""
     layout = "(num_splits, batch, seqlen, nheads, head_dim)"
     shape = _tensor("out_partial", out_partial, (torch.float32,), 5, layout)
     lse_shape = _tensor("lse_partial", lse_partial, (torch.float32,), 4, "(num_splits, batch, seqlen, nheads)")
@@ -547,10 +632,6 @@ def combine(out_partial, lse_partial, out, out_dtype) -> None:
     if lse_shape != shape[:4]:
         raise ValueError(
             f"lse_partial must have shape {tuple(shape[:4])} (out_partial's without head_dim), got {tuple(lse_shape)}"
-        )
-    if head_dim % 4:
-        raise ValueError(
-            f"out_partial must have a head_dim (last dimension) that is a multiple of 4, got shape {tuple(shape)}"
         )
     if not 1 <= num_splits <= MAX_COMBINE_SPLITS:
         raise ValueError(
@@ -566,7 +647,9 @@ def combine(out_partial, lse_partial, out, out_dtype) -> None:
         if out_shape != (batch, seqlen, nheads, head_dim):
             raise ValueError(f"out must have shape {(batch, seqlen, nheads, head_dim)}, got {tuple(out_shape)}")
         strides = out.stride()
-        if strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or out.data_ptr() % 16:
+        # The kernel stores whole float4 chunks into out; a head dim that is not a multiple of 4
+        # goes through a padded buffer copied into out (any layout).
+        if head_dim % 4 == 0 and (strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or out.data_ptr() % 16):
             raise ValueError(
                 f"out must have a contiguous last dimension, other strides that are multiples of 4 and a "
                 f"16-byte aligned start, got strides {strides} at address {out.data_ptr():#x}"

@@ -257,14 +257,6 @@ def test_varlen_compile_fullgraph():
         torch.testing.assert_close(a.grad, b.grad, atol=0, rtol=0)
 
 
-def test_varlen_paged_backward_refused():
-    q, k, v, cu_q, cu_k = ragged([4], [4], 2, 2, 64, torch.float16)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flashgen.flash_attn_varlen_func(q.requires_grad_(), k.view(1, 4, 2, 64), v.view(1, 4, 2, 64), cu_q, cu_k,
-                                        4, 4, block_table=table)
-
-
 def test_varlen_bwd_seqused():
     """Backward with seqused_q/k: rows past seqused_q get dq = 0, keys past seqused_k dk = dv = 0."""
     lengths_q, lengths_k = [50, 7, 0, 64], [80, 7, 5, 100]
