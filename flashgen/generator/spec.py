@@ -47,7 +47,7 @@ MASKS = ("none", "causal", "local")
 # the calls their instances cover (matrix.SM90_FWD_HEAD_DIMS, every mask, softcap, PackGQA, split-KV,
 # paged K/V of any page size, dropout unpacked, unsplit and unpaged; no decode tile; the backward:
 # head dims up to the largest of matrix.SM90_BWD_HEAD_DIMS,
-# dense and varlen calls without seqused, not deterministic);
+# dense and varlen calls without seqused, deterministic or not);
 # everything else keeps sm80.
 FAMILIES = ("sm80", "sm90")
 
