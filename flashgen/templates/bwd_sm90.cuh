@@ -151,6 +151,7 @@ struct Sm90BwdStep {
     int key;             // this thread's first key (the second is + 8)
     int query;           // this thread's first query (n8 tile i adds 8 i, the odd element 1)
     int diag;            // seqlen_k - seqlen_q
+    int seqlen_k;        // the sequence's keys (varlen: not the tensor's rows)
     float slope;         // ALiBi slope (scaled), if kAlibi
     uint32_t bh;         // dropout: batch * nheads + query head
     int key_group;       // dropout: the 64-key group of this thread's keys
@@ -205,7 +206,7 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2
             }
             if constexpr (kNeedMask) {
                 bool const hidden =
-                    key_hidden<Tr::kMask>(key, query + a.diag, params.seqlen_k, params.window_left, params.window_right);
+                    key_hidden<Tr::kMask>(key, query + a.diag, a.seqlen_k, params.window_left, params.window_right);
                 p = hidden ? 0.f : p;
                 ds = hidden ? 0.f : ds;
             }
@@ -505,7 +506,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         bool const need_mask = wg_key0 + 64 > seqlen_k ||
                                (kMasked && (q0 + diag + params.window_right < wg_key0 + 63 ||
                                             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > wg_key0)));
-        Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag,
+        Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag, seqlen_k,
                                slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f,
                                uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + consumer * 64) / 64};
         if (need_mask) {

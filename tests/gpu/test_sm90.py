@@ -725,6 +725,26 @@ def test_sm90_bwd_varlen(monkeypatch, launched, lengths, head_dim, dtype, mask):
     check_sequence_grads(q, k, v, dout, [g[:-extra] for g in grads], lengths_q, lengths_k, **MASKS[mask])
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("head_dim", [16, 64, 128], ids=lambda d: f"d{d}")
+def test_sm90_bwd_varlen_masks_keys_past_each_sequence(monkeypatch, launched, head_dim, causal):
+    # One key per sequence, and large scores (flash_attn's test_flash_attn_bwd_varlen_overflow): the
+    # keys of the next sequences in a block must be masked by this sequence's length, not the
+    # tensor's, or their zeroed rows score 0, far above the row's LSE, and exp overflows to inf.
+    from test_varlen import check_sequence_grads, cu, varlen_grads
+
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    lengths_q, lengths_k = [76, 34, 146], [1, 1, 1]
+    q, k, v = (torch.randn(sum(n), 5, head_dim, dtype=torch.float16, device="cuda") * 3
+               for n in (lengths_q, lengths_k, lengths_k))
+    dout = torch.randn_like(q)
+    grads = varlen_grads(q, k, v, cu(lengths_q), cu(lengths_k), max(lengths_q), max(lengths_k), dout, causal=causal)
+    assert any(u.startswith(f"flash_bwd_sm90_hdim{sm90_bwd_instance_head_dim(head_dim)}_") for u in launched), launched
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), name
+    check_sequence_grads(q, k, v, dout, grads, lengths_q, lengths_k, causal=causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched, head_dim):
     from test_varlen import cu, varlen_grads
