@@ -266,7 +266,7 @@ from flashgen import config
 from flashgen.generator import nvrtc
 driver = None if sys.argv[1] == "none" else int(sys.argv[1])
 nvrtc.driver_cuda_version = lambda: None if driver is None else (driver, 0)
-chosen = nvrtc.choose_nvrtc_major({12, 13}, driver, nvrtc._bindings_major(), config.nvrtc_major())
+chosen = nvrtc.choose_nvrtc_major({12, 13}, driver, nvrtc.bindings_major(), config.nvrtc_major())
 major = nvrtc.nvrtc_version()[0]
 assert major == chosen, (major, chosen)
 assert nvrtc.cuda_headers_major(nvrtc.cuda_include_dir()) == major, nvrtc.cuda_include_dir()

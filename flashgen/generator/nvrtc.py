@@ -46,6 +46,7 @@ class NvrtcNotFoundError(RuntimeError):
     """NVRTC (libnvrtc or the cuda-bindings package) cannot be loaded."""
 
     def __init__(self, cause: Exception):
+        self.cause = cause
         super().__init__(
             f"NVRTC is not usable ({type(cause).__name__}: {cause}): {INSTALL_NVRTC_HINT}"
         )
@@ -123,7 +124,17 @@ def driver_cuda_version() -> tuple[int, int] | None:
     return encoded // 1000, encoded % 1000 // 10
 
 
-def _bindings_major() -> int | None:
+def install_for_driver(driver_major: int) -> str | None:
+    """The pip command that brings an NVRTC, CUDA headers and cuda-bindings a driver of CUDA
+    ``driver_major`` supports; None below CUDA 12, which flashgen does not support.  For CUDA 12 the
+    whole extra, not an NVRTC 12 wheel alone: cuda-bindings 13 needs a CUDA 13 driver (R580)."""
+    if driver_major < 12:
+        return None
+    return "pip install 'flashgen[cu12]'" if driver_major == 12 else "pip install 'flashgen[cu13]'"
+
+
+def bindings_major() -> int | None:
+    """The major version of the installed cuda-bindings, None without it."""
     try:
         from cuda.bindings import __version__
     except ImportError:
@@ -146,7 +157,7 @@ def _load_chosen_nvrtc() -> int | None:
         return None
     driver_version = driver_cuda_version() if requested is None else None
     major = choose_nvrtc_major(
-        installed, driver_version and driver_version[0], _bindings_major(), requested
+        installed, driver_version and driver_version[0], bindings_major(), requested
     )
     # A major without a wheel: a CUDA toolkit's libnvrtc on the library path.
     library = installed.get(major)
@@ -161,7 +172,7 @@ def _load_chosen_nvrtc() -> int | None:
         raise NvrtcNotFoundError(exc) from exc
     logger.debug(
         "NVRTC %d chosen (installed: %s; driver: CUDA %s; cuda-bindings %s; FLASHGEN_NVRTC=%s)",
-        major, sorted(installed), driver_version, _bindings_major(), requested,
+        major, sorted(installed), driver_version, bindings_major(), requested,
     )
     return major
 
