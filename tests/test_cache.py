@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from flashgen import config
-from flashgen.generator import cache, nvrtc, render
+from flashgen.generator import cache, files, nvrtc, render
 from flashgen.generator.spec import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm80", "sm_80", "bf16", 64)
@@ -170,7 +170,7 @@ def test_atomic_write_leaves_no_temp_files(fake_nvrtc, fresh_cache, monkeypatch)
     target.parent.mkdir()
     monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        cache._atomic_write(target, b"data")
+        files.atomic_write(target, b"data")
     assert list(target.parent.iterdir()) == []
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from .. import config
-from . import nvrtc, render
+from . import files, nvrtc, render
 from .spec import KernelSpec
 
 try:
@@ -82,8 +82,6 @@ _FRAME = struct.Struct("<8s32sHQ32s")
 # Temp files of writers that died (a killed build) are removed when their folder is next written.
 STALE_TEMP_SECONDS = 600
 
-_FILE_MODE = 0o644
-_DIR_MODE = 0o755
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # none on Windows, where making a link needs a privilege
 # O_NONBLOCK: opening a FIFO planted as an entry must not hang the caller.
 _OPEN_FLAGS = (
@@ -202,13 +200,6 @@ def _nvrtc_version() -> tuple[int, int] | None:
         return None
 
 
-def _owner_problem(st: os.stat_result) -> str | None:
-    """Why a folder with this stat may hold code another user planted, as far as its owner goes."""
-    if hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
-        return f"owned by another user (uid {st.st_uid})"
-    return None
-
-
 def untrusted_reason(directory: Path) -> str | None:
     """Why the cache folder ``directory`` is refused (flashgen neither reads nor writes it), None
     when it is usable or does not exist yet.  It may be a link; what it points to is checked."""
@@ -221,37 +212,14 @@ def untrusted_reason(directory: Path) -> str | None:
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         # Without the sticky bit anyone may swap a per-kernel folder between its check and a read.
         return "writable by every user"
-    return _owner_problem(st)
-
-
-def _check_entry_dir(directory: Path) -> None:
-    """Raise OSError unless ``directory`` is a real folder (not a link) owned by this user or root
-    and not writable by every user (the sticky bit would not stop anyone adding an entry).  Group
-    write is accepted: folders made under a umask of 002 (user-private groups) have it."""
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise OSError(errno.ELOOP, "a link, which flashgen does not follow", str(directory))
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(directory))
-    problem = _owner_problem(st) or ("writable by every user" if st.st_mode & stat.S_IWOTH else None)
-    if problem is not None:
-        raise PermissionError(errno.EPERM, problem, str(directory))
-
-
-def _make_dir(directory: Path, mode: int = _DIR_MODE) -> None:
-    """Create ``directory`` (not its parents) with exactly ``mode``, whatever the umask."""
-    try:
-        os.mkdir(directory, mode)
-    except FileExistsError:
-        return
-    os.chmod(directory, mode)
+    return files.owner_problem(st)
 
 
 def unwritable_reason(directory: Path) -> str | None:
     """None when ``directory`` can be created and written, else why not."""
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        _make_dir(directory)
+        files.make_dir(directory)
         with tempfile.TemporaryFile(dir=directory):
             return None
     except OSError as exc:
@@ -344,7 +312,7 @@ def _file_lock(path: Path) -> Iterator[None]:
         with filelock.FileLock(path):
             yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, _FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, files.FILE_MODE)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -413,7 +381,7 @@ def _stored_nvrtc_versions(directory: Path) -> set[tuple[int, int]]:
     """The NVRTC versions the metadata in an entry folder names: candidates, checked by the key."""
     versions = set()
     try:
-        _check_entry_dir(directory)
+        files.check_dir(directory)
         names = [e.name for e in os.scandir(directory) if e.name.endswith(".json")]
     except OSError:
         return versions
@@ -454,8 +422,8 @@ def _load_or_compile(
             return cubin, None, directory
     with _entry_lock(entry), contextlib.ExitStack() as locked:
         try:
-            _make_dir(entry.directory)
-            _check_entry_dir(entry.directory)
+            files.make_dir(entry.directory)
+            files.check_dir(entry.directory)
             locked.enter_context(_file_lock(entry.path(".lock")))
         except OSError as exc:
             # A fault below the cache folder (the entry's folder is a file, a link or another
@@ -485,7 +453,7 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     source_path: Path | None = entry.path(".cu")
     write_error: OSError | None = None
     try:
-        _atomic_write(source_path, entry.source.encode())
+        files.atomic_write(source_path, entry.source.encode())
     except OSError as exc:
         # Compile anyway: without a source path NVRTC saves a failing source to a temp folder.
         write_error, source_path = exc, None
@@ -500,8 +468,8 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
             "compile_seconds": round(seconds, 3),
         }
         try:
-            _atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
-            _atomic_write(entry.path(".cubin"), _frame(entry, cubin))
+            files.atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
+            files.atomic_write(entry.path(".cubin"), _frame(entry, cubin))
         except OSError as exc:
             write_error = exc
     if write_error is not None:
@@ -524,7 +492,7 @@ def _read_cubin(entry: _Entry) -> bytes | None:
     not safely readable (a link, another user's folder)."""
     path = entry.path(".cubin")
     try:
-        _check_entry_dir(entry.directory)
+        files.check_dir(entry.directory)
         data = _read_entry_file(path)
     except (FileNotFoundError, NotADirectoryError):  # the latter: the cache "folder" is a file
         return None
@@ -548,22 +516,6 @@ def _read_cubin(entry: _Entry) -> bytes | None:
             return None
     logger.warning("corrupt cache entry %s; recompiling", path)
     return None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Readers see the old file or the whole new one: write a temp file in the same directory (same
-    file system, so the rename is atomic), then os.replace.  mkstemp creates it with O_EXCL and
-    O_NOFOLLOW; the mode is then set to 0644 so other users can load a cache one user built."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            if hasattr(os, "fchmod"):
-                os.fchmod(file.fileno(), _FILE_MODE)
-            file.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _is_temp_file(name: str) -> bool:
