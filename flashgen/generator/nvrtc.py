@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Collection, Mapping, Sequence
 
 from .. import config
+from . import files
 
 try:
     from cuda.bindings import nvrtc as _nvrtc
@@ -316,12 +317,30 @@ def _save_for_reproduction(
     source: str, name: str, headers: Mapping[str, str], source_path: Path | None
 ) -> Path:
     """Write the source (unless already saved) and the in-memory headers to files, so that the
-    failing compile can be rerun by hand with ``-I<source>.headers``."""
-    if source_path is None:
-        source_path = Path(tempfile.mkdtemp(prefix="flashgen-")) / f"{name}.cu"
-        source_path.write_text(source)
-    for include_name, text in headers.items():
-        path = _headers_dir(source_path) / include_name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    failing compile can be rerun by hand with ``-I<source>.headers``.  Beside a given source (a
+    cache entry, which other users read) with the cache's rules: folders 0755 that are real and
+    this user's, files 0644 by atomic replace, so a planted link is never written through.  When
+    that fails, or without a source path: a fresh private temporary folder."""
+    if source_path is not None:
+        try:
+            _write_headers(_headers_dir(source_path), headers)
+            return source_path
+        except OSError as exc:
+            logger.warning("cannot save the headers of %s beside %s (%s); saving source and headers "
+                           "in a temporary folder", name, source_path, exc)
+    source_path = Path(tempfile.mkdtemp(prefix="flashgen-")) / f"{name}.cu"
+    files.atomic_write(source_path, source.encode())
+    _write_headers(_headers_dir(source_path), headers)
     return source_path
+
+
+def _write_headers(directory: Path, headers: Mapping[str, str]) -> None:
+    files.make_dir(directory)
+    files.check_dir(directory)
+    for include_name, text in headers.items():
+        folder = directory
+        for part in Path(include_name).parent.parts:  # an include name may have folders
+            folder = folder / part
+            files.make_dir(folder)
+            files.check_dir(folder)
+        files.atomic_write(directory / include_name, text.encode())
