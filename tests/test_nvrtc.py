@@ -249,6 +249,9 @@ def test_include_dir_matches_nvrtc_major_version(monkeypatch, tmp_path, nvrtc_ma
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (nvrtc_major, 0))
     assert nvrtc.cuda_include_dir() == root / expected / "include"
     assert nvrtc.cuda_headers_major(root / expected / "include") == nvrtc_major
+    # Those of a given major without loading NVRTC (the cache key of a prebuilt cache's entries).
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: pytest.fail("NVRTC loaded"))
+    assert nvrtc.cuda_include_dir(nvrtc_major) == root / expected / "include"
 
 
 def test_include_dir_of_another_major_is_the_last_resort(monkeypatch, tmp_path):

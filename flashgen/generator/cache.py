@@ -4,7 +4,7 @@ Layout under ``config.cache_dir()``::
 
     <uri>/<key>.cubin   framed cubin: magic, key, URI, payload length, sha256, payload
     <uri>/<key>.cu      the rendered source (what CompileError points at)
-    <uri>/<key>.json    metadata: spec, options, NVRTC version, compile seconds
+    <uri>/<key>.json    metadata: spec, options, NVRTC version, CUDA headers' major, compile seconds
     <uri>/<key>.lock    per-entry file lock
 
 The URI makes the folder readable; the key (a digest of everything that decides the binary) makes
@@ -30,12 +30,13 @@ from memory.  Hits take no lock, so a read-only prebuilt cache works (see FLASHG
 Files are written 0644 and folders 0755 whatever the umask, so a cache prebuilt by one user
 (root in an image, say) is readable by the others.
 
-A prebuilt cache needs no NVRTC: when NVRTC cannot be loaded, or FLASHGEN_DISABLE_JIT is set and the
-exact entry is missing, the entry is looked up by URI.  The metadata of the entries in the URI's
-folder proposes the NVRTC versions they were built with; for each, this process computes the key
-from its own schema, rendered source, headers, options and arch with that version, and loads the
-cubin only when its frame carries that key.  So everything in the key but NVRTC's version must match
-(the stored metadata is only a hint); the newest such version wins.
+A prebuilt cache needs no NVRTC: when NVRTC or CUDA headers of known version cannot be found, or
+FLASHGEN_DISABLE_JIT is set and the exact entry is missing, the entry is looked up by URI.  The
+metadata of the entries in the URI's folder proposes the NVRTC versions and CUDA headers' major
+versions they were built with; for each pair, this process computes the key from its own schema,
+rendered source, headers, options and arch with that pair, and loads the cubin only when its frame
+carries that key.  So everything in the key but those two must match (the stored metadata is only a
+hint); the newest NVRTC wins.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -72,7 +74,8 @@ except ImportError:  # Windows: entries are locked with filelock there
 logger = logging.getLogger("flashgen")
 
 # Bump when the key's fields, the fixed flags of nvrtc.compile_cubin or the entry format change.
-SCHEMA_VERSION = 2
+# 3: the CUDA headers' major version is a key field.
+SCHEMA_VERSION = 3
 
 _MAGIC = b"FGCUBIN2"
 # magic, key (sha256 digest), URI length, payload length, sha256(key + URI + payload); then the
@@ -142,9 +145,12 @@ def cache_key(
     arch: str,
     options: Sequence[str],
     nvrtc_version: tuple[int, int],
+    cuda_headers_major: int | None,
 ) -> str:
     """sha256 over labelled, length-prefixed fields, so no two different inputs share a byte stream.
-    Headers are taken in name order: the dict's insertion order does not decide the binary."""
+    Headers are taken in name order: the dict's insertion order does not decide the binary.
+    ``cuda_headers_major``: of the CUDA headers NVRTC includes (cuda_fp16.h, ...), so that one NVRTC
+    compiling against two toolkits' headers never shares an entry; None when they do not say."""
     digest = hashlib.sha256()
 
     def field(label: str, value: str) -> None:
@@ -154,6 +160,7 @@ def cache_key(
 
     field("schema", str(SCHEMA_VERSION))
     field("nvrtc", "{}.{}".format(*nvrtc_version))
+    field("cuda-headers", "none" if cuda_headers_major is None else str(cuda_headers_major))
     field("options", json.dumps(list(options)))
     field("arch", arch)
     field("source", source)
@@ -170,6 +177,7 @@ class _Entry:
     headers: Mapping[str, str]
     options: tuple[str, ...]
     nvrtc_version: tuple[int, int]
+    cuda_headers_major: int | None
     key: str
     directory: Path
 
@@ -183,13 +191,37 @@ def _entry(
     headers: Mapping[str, str],
     options: Sequence[str],
     version: tuple[int, int],
+    cuda_headers: int | None,
     root: Path,
 ) -> _Entry:
-    """The entry of ``spec`` compiled by NVRTC ``version`` under the cache folder ``root``."""
+    """The entry of ``spec`` compiled by NVRTC ``version`` against CUDA headers of major version
+    ``cuda_headers`` under the cache folder ``root``."""
     key = cache_key(
-        source=source, headers=headers, arch=spec.arch, options=options, nvrtc_version=version
+        source=source, headers=headers, arch=spec.arch, options=options, nvrtc_version=version,
+        cuda_headers_major=cuda_headers,
     )
-    return _Entry(spec, source, headers, tuple(options), version, key, root / spec.uri)
+    return _Entry(spec, source, headers, tuple(options), version, cuda_headers, key, root / spec.uri)
+
+
+@functools.cache
+def _cuda_headers_major(nvrtc_major: int) -> int | None:
+    """The major version of the CUDA headers an NVRTC of ``nvrtc_major`` compiles with here (None:
+    none found, or they do not say).  Once per process, so a hit searches no folders; a CUDA_HOME
+    changed later in the process is not seen."""
+    include_dir = nvrtc.cuda_include_dir(nvrtc_major)
+    return None if include_dir is None else nvrtc.cuda_headers_major(include_dir)
+
+
+def _local_entry(
+    spec: KernelSpec,
+    source: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    version: tuple[int, int],
+    root: Path,
+) -> _Entry:
+    """The entry this process compiles: NVRTC ``version`` and the CUDA headers it would use."""
+    return _entry(spec, source, headers, options, version, _cuda_headers_major(version[0]), root)
 
 
 def _nvrtc_version() -> tuple[int, int] | None:
@@ -361,35 +393,43 @@ def _lookup(
     root: Path,
     any_nvrtc: bool,
 ) -> bytes | None:
-    """The cubin of ``spec`` under ``root`` built by NVRTC ``version``.  When that one is missing and
-    ``any_nvrtc`` is set, or the version is None (NVRTC not loadable): the one built by the newest
-    NVRTC whose entry matches every other key field (see the module docstring)."""
+    """The cubin of ``spec`` under ``root`` built by NVRTC ``version`` with this process's CUDA
+    headers.  When that one is missing and ``any_nvrtc`` is set, or this process could not compile
+    it (NVRTC not loadable: ``version`` None; no CUDA headers of known version): the one built by the newest NVRTC
+    whose entry matches every other key field (see the module docstring)."""
+    local = None
     if version is not None:
-        cubin = _read_cubin(_entry(spec, source, headers, options, version, root))
-        if cubin is not None or not any_nvrtc:
+        entry = _local_entry(spec, source, headers, options, version, root)
+        local = (entry.nvrtc_version, entry.cuda_headers_major)
+        cubin = _read_cubin(entry)
+        if cubin is not None or not (any_nvrtc or entry.cuda_headers_major is None):
             return cubin
-    for other in sorted(_stored_nvrtc_versions(root / spec.uri) - {version}, reverse=True):
-        entry = _entry(spec, source, headers, options, other, root)
+    stored = _stored_builds(root / spec.uri) - {local}
+    for build in sorted(stored, key=lambda b: (b[0], -1 if b[1] is None else b[1]), reverse=True):
+        entry = _entry(spec, source, headers, options, *build, root)
         cubin = _read_cubin(entry)
         if cubin is not None:
-            logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *other)
+            logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *build[0])
             return cubin
     return None
 
 
-def _stored_nvrtc_versions(directory: Path) -> set[tuple[int, int]]:
-    """The NVRTC versions the metadata in an entry folder names: candidates, checked by the key."""
-    versions = set()
+def _stored_builds(directory: Path) -> set[tuple[tuple[int, int], int | None]]:
+    """The (NVRTC version, CUDA headers' major) pairs the metadata in an entry folder names:
+    candidates, checked by the key."""
+    builds = set()
     try:
         files.check_dir(directory)
         names = [e.name for e in os.scandir(directory) if e.name.endswith(".json")]
     except OSError:
-        return versions
+        return builds
     for name in names:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            major, minor = json.loads(_read_entry_file(directory / name))["nvrtc_version"]
-            versions.add((int(major), int(minor)))
-    return versions
+        with contextlib.suppress(OSError, ValueError, TypeError, LookupError):
+            metadata = json.loads(_read_entry_file(directory / name))
+            major, minor = metadata["nvrtc_version"]
+            cuda_headers = metadata["cuda_headers_major"]
+            builds.add(((int(major), int(minor)), None if cuda_headers is None else int(cuda_headers)))
+    return builds
 
 
 def _load_or_compile(
@@ -415,7 +455,7 @@ def _load_or_compile(
     if version is None:
         version = nvrtc.nvrtc_version()  # raises NvrtcNotFoundError, saying what to install
     directory = write_dir(configured)
-    entry = _entry(spec, source, headers, options, version, directory)
+    entry = _local_entry(spec, source, headers, options, version, directory)
     if directory != root:
         cubin = _read_cubin(entry)
         if cubin is not None:
@@ -465,6 +505,7 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
             "spec": entry.spec.to_dict(),
             "options": list(entry.options),
             "nvrtc_version": list(entry.nvrtc_version),
+            "cuda_headers_major": entry.cuda_headers_major,
             "compile_seconds": round(seconds, 3),
         }
         try:

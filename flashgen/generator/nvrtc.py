@@ -213,11 +213,12 @@ def cuda_headers_major(include_dir: Path) -> int | None:
     return int(match.group(1)) // 1000 if match else None
 
 
-def cuda_include_dir() -> Path | None:
+def cuda_include_dir(nvrtc_major: int | None = None) -> Path | None:
     """The CUDA headers NVRTC compiles with: among the folders holding cuda_fp16.h, the first of
     NVRTC's major version (CUDA 13's cuda_fp16.h is not CUDA 12's), else the first.  Searched: the
     nvidia wheels' nvidia/cu13/include (nvidia-cuda-runtime) and nvidia/cuda_runtime/include
-    (nvidia-cuda-runtime-cu12), then $CUDA_HOME/include, then /usr/local/cuda/include."""
+    (nvidia-cuda-runtime-cu12), then $CUDA_HOME/include, then /usr/local/cuda/include.
+    ``nvrtc_major``: those an NVRTC of that major version would use (without loading NVRTC)."""
     candidates: list[Path] = []
     try:
         import nvidia  # namespace package of the nvidia-* wheels; may span several site dirs
@@ -233,7 +234,7 @@ def cuda_include_dir() -> Path | None:
     found = [c for c in candidates if (c / "cuda_fp16.h").is_file()]
     if len(found) < 2:
         return found[0] if found else None
-    major = nvrtc_version()[0]
+    major = nvrtc_version()[0] if nvrtc_major is None else nvrtc_major
     return next((c for c in found if cuda_headers_major(c) == major), found[0])
 
 
