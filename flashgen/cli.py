@@ -278,21 +278,48 @@ def cache_clear_command(ctx: click.Context) -> None:
 
 def _driver_status() -> tuple[str, tuple[int, int] | None, str | None]:
     """(what to show, driver CUDA version, how to fix) from the CUDA driver API."""
+    version = nvrtc.driver_cuda_version()
+    if version is None:
+        return "no NVIDIA driver found", None, "install the NVIDIA driver to run kernels (compiling needs none)"
     from cuda.bindings import driver
 
-    no_driver_fix = "install the NVIDIA driver to run kernels (compiling needs none)"
-    try:
-        (err,) = driver.cuInit(0)
-    # cuda.pathfinder's DynamicLibNotFoundError (a RuntimeError): libcuda.so is not installed.
-    except RuntimeError:
-        return "no NVIDIA driver found", None, no_driver_fix
+    supports = "supports CUDA {}.{}".format(*version)
+    (err,) = driver.cuInit(0)
     if err != driver.CUresult.CUDA_SUCCESS:
-        return f"cuInit failed: {err.name}", None, "check the driver install and CUDA_VISIBLE_DEVICES"
-    err, version = driver.cuDriverGetVersion()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return f"cuDriverGetVersion failed: {err.name}", None, no_driver_fix
-    major, minor = version // 1000, version % 1000 // 10
-    return f"supports CUDA {major}.{minor}", (major, minor), None
+        return f"{supports}, but cuInit failed: {err.name}", version, "check the driver install and CUDA_VISIBLE_DEVICES"
+    return supports, version, None
+
+
+def _cuda_major_fix(nvrtc_major: int, driver_version: tuple[int, int]) -> str | None:
+    """How to fix an NVRTC or cuda-bindings of a newer CUDA major version than the driver's, None
+    when neither is.  Only majors count: by CUDA's minor-version compatibility a cubin of NVRTC 13.5
+    loads on a CUDA 13.0 driver."""
+    driver_major = driver_version[0]
+    bindings_major = nvrtc.bindings_major()
+    newer = [
+        f"{name} {major}" for name, major in (("NVRTC", nvrtc_major), ("cuda-bindings", bindings_major))
+        if major is not None and major > driver_major
+    ]
+    if not newer:
+        return None
+    verb = "is" if len(newer) == 1 else "are"
+    problem = f"{' and '.join(newer)} {verb} newer than the driver's CUDA {driver_major}.{driver_version[1]}"
+    install = nvrtc.install_for_driver(driver_major)
+    if install is None:
+        return f"{problem}: update the NVIDIA driver (flashgen needs CUDA 12.0 or newer, R525+)"
+    requested = config.nvrtc_major()
+    if (requested is not None and requested > driver_major and driver_major in nvrtc.nvrtc_libraries()
+            and (bindings_major is None or bindings_major <= driver_major)):
+        return (f"{problem}: unset FLASHGEN_NVRTC={requested} (NVRTC {driver_major} is installed), "
+                "or update the NVIDIA driver")
+    return f"{problem}: {install}, or update the NVIDIA driver"
+
+
+def _nvrtc_libraries_text() -> str:
+    libraries = nvrtc.nvrtc_libraries()
+    if not libraries:
+        return "none from the nvidia wheels (cuda.bindings searches the library path)"
+    return ", ".join(f"{major} ({path})" for major, path in sorted(libraries.items(), reverse=True))
 
 
 @cli.command()
@@ -334,23 +361,22 @@ def doctor(ctx: click.Context) -> None:
 
     try:
         nvrtc_version = nvrtc.nvrtc_version()
+    except ValueError:  # FLASHGEN_NVRTC is invalid: the settings row says so, with its fix
+        row("nvrtc", "not loaded (FLASHGEN_NVRTC is invalid)")
     except Exception as exc:  # libnvrtc missing: cuda.pathfinder raises its own error types
-        row("nvrtc", f"not usable ({exc})")
-        fixes.append("pip install nvidia-cuda-nvrtc cuda-bindings (for a CUDA 12 driver: "
-                     "pip install 'flashgen[cu12]')")
+        cause = exc.cause if isinstance(exc, nvrtc.NvrtcNotFoundError) else exc
+        row("nvrtc", f"not usable ({type(cause).__name__}: {cause})")
+        fixes.append(nvrtc.INSTALL_NVRTC_HINT)
     else:
         row("nvrtc", "{}.{}".format(*nvrtc_version))
-        if driver_version is not None and nvrtc_version > driver_version:
-            nvrtc_text, driver_cuda = ("{}.{}".format(*v) for v in (nvrtc_version, driver_version))
-            install = _nvrtc_install(nvrtc_version, driver_version)
-            fixes.append(
-                f"NVRTC {nvrtc_text} is newer than the driver's CUDA {driver_cuda}, so its cubins "
-                f"may not load: install the matching NVRTC ({install}) or update the driver"
-            )
+        fix = None if driver_version is None else _cuda_major_fix(nvrtc_version[0], driver_version)
+        if fix is not None:
+            fixes.append(fix)
         include_dir = nvrtc.cuda_include_dir()
         row("cuda headers", str(include_dir) if include_dir else "not found")
         if include_dir is None:
             fixes.append(nvrtc.INSTALL_HEADERS_HINT)
+    row("nvrtc wheels", _nvrtc_libraries_text())
 
     directory = config.cache_dir()
     refused = cache.untrusted_reason(directory)
@@ -366,9 +392,10 @@ def doctor(ctx: click.Context) -> None:
                      f"cached in {cache.fallback_cache_dir()})")
 
     try:
-        row("settings", f"FLASHGEN_FAMILY={config.forced_family() or '(auto)'}, "
+        row("settings", f"FLASHGEN_FAMILY={_or_auto(config.forced_family())}, "
                         f"FLASHGEN_CHECK_INPUTS={int(config.check_inputs())}, "
                         f"FLASHGEN_DISABLE_JIT={int(config.disable_jit())}, "
+                        f"FLASHGEN_NVRTC={_or_auto(config.nvrtc_major())}, "
                         f"NVRTC options: {' '.join(cache.compile_options())}")
     except ValueError as exc:
         row("settings", "invalid")
@@ -386,14 +413,8 @@ def doctor(ctx: click.Context) -> None:
     click.echo("\neverything flashgen needs was found")
 
 
-def _nvrtc_install(nvrtc_version: tuple[int, int], driver_version: tuple[int, int]) -> str:
-    """The pip command for the NVRTC that matches the driver's CUDA version."""
-    major, minor = driver_version
-    if major != 12:
-        return f"pip install 'nvidia-cuda-nvrtc=={major}.{minor}.*'"
-    if nvrtc_version[0] != 12:
-        return "pip install 'flashgen[cu12]'"  # NVRTC, headers and cuda-bindings of CUDA 12
-    return f"pip install 'flashgen[cu12]' 'nvidia-cuda-nvrtc-cu12=={major}.{minor}.*'"
+def _or_auto(value) -> str:
+    return "(auto)" if value is None else str(value)
 
 
 def _demo_specs() -> list[KernelSpec]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from flashgen import config
-from flashgen.generator import cache, nvrtc, render
+from flashgen.generator import cache, files, nvrtc, render
 from flashgen.generator.spec import KernelSpec
 
 SPEC = KernelSpec("fwd", "sm80", "sm_80", "bf16", 64)
@@ -37,6 +37,7 @@ KEY_FIELDS = dict(
     arch="sm_80",
     options=["-lineinfo", "-DNDEBUG"],
     nvrtc_version=(13, 0),
+    cuda_headers_major=13,
 )
 
 
@@ -46,7 +47,7 @@ def entry_files(directory: Path, suffix: str) -> list[Path]:
 
 def entry_of(spec: KernelSpec, root: Path | None = None, version=None) -> cache._Entry:
     """The entry get_cubin uses for ``spec`` (under the configured folder unless ``root``)."""
-    return cache._entry(
+    return cache._local_entry(
         spec, render.render_instance(spec), render.header_sources(), cache.compile_options(),
         version or nvrtc.nvrtc_version(), config.cache_dir() if root is None else root,
     )
@@ -72,6 +73,8 @@ def test_key_is_stable():
         dict(options=["-lineinfo"]),
         dict(options=["-DNDEBUG", "-lineinfo"]),                          # order matters to NVRTC
         dict(nvrtc_version=(13, 5)),
+        dict(cuda_headers_major=12),  # NVRTC 13 against CUDA 12's headers (CUDA_HOME, say)
+        dict(cuda_headers_major=None),
     ],
     ids=lambda change: next(iter(change)),
 )
@@ -103,7 +106,34 @@ def test_entry_layout(fake_nvrtc, fresh_cache):
     assert KernelSpec.from_dict(metadata["spec"]) == SPEC
     assert metadata["options"] == cache.compile_options()
     assert tuple(metadata["nvrtc_version"]) == nvrtc.nvrtc_version()
+    assert metadata["cuda_headers_major"] == nvrtc.cuda_headers_major(nvrtc.cuda_include_dir())
     assert metadata["compile_seconds"] >= 0
+
+
+def test_cuda_headers_of_another_toolkit_are_another_entry(fake_nvrtc, fresh_cache, monkeypatch):
+    """One NVRTC, two toolkits' headers (the wheel's, then CUDA_HOME's of another major): never one
+    entry."""
+    for headers_major in (13, 12, 13):
+        monkeypatch.setattr(cache, "_cuda_headers_major", lambda nvrtc_major, m=headers_major: m)
+        monkeypatch.setattr(cache, "_cubins", {})
+        cache.get_cubin(SPEC)
+    assert fake_nvrtc.calls == [SPEC.uri, SPEC.uri]  # the third found the first's entry
+    stored = sorted(json.loads(p.read_text())["cuda_headers_major"] for p in entry_files(fresh_cache, ".json"))
+    assert stored == [12, 13]
+
+
+def test_cuda_headers_major_is_looked_up_once_per_process(monkeypatch):
+    searches = []
+    real = nvrtc.cuda_include_dir
+    monkeypatch.setattr(nvrtc, "cuda_include_dir", lambda major=None: searches.append(major) or real(major))
+    cache._cuda_headers_major.cache_clear()
+    try:
+        for _ in range(3):
+            entry = entry_of(SPEC, version=(13, 0))
+    finally:
+        cache._cuda_headers_major.cache_clear()  # computed again with the real search
+    assert searches == [13]
+    assert entry.cuda_headers_major == nvrtc.cuda_headers_major(real(13))
 
 
 def test_memo_then_disk_then_compile(fake_nvrtc, monkeypatch):
@@ -170,7 +200,7 @@ def test_atomic_write_leaves_no_temp_files(fake_nvrtc, fresh_cache, monkeypatch)
     target.parent.mkdir()
     monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        cache._atomic_write(target, b"data")
+        files.atomic_write(target, b"data")
     assert list(target.parent.iterdir()) == []
 
 
@@ -516,7 +546,7 @@ def test_same_uri_other_key_is_a_miss(fake_nvrtc, fresh_cache, monkeypatch, capl
 def test_schema_1_entries_are_not_read(fake_nvrtc, fresh_cache):
     """The first format (magic, length, digest: no key) is another schema, so another file name."""
     entry = entry_of(SPEC)
-    assert cache.SCHEMA_VERSION == 2 and cache._MAGIC == b"FGCUBIN2"
+    assert cache.SCHEMA_VERSION == 3 and cache._MAGIC == b"FGCUBIN2"
     entry.directory.mkdir(parents=True)
     payload = fake_nvrtc.cubin(SPEC.uri)
     old = struct.pack("<8sQ32s", b"FGCUBIN1", len(payload), hashlib.sha256(payload).digest()) + payload
@@ -614,7 +644,7 @@ def test_metadata_only_proposes_a_version(fake_nvrtc, fresh_cache, monkeypatch):
     cache.get_cubin(OTHER_SPEC)
     forged = entry_of(SPEC, version=(12, 8))
     forged.directory.mkdir(parents=True)
-    forged.path(".json").write_text(json.dumps({"nvrtc_version": [12, 8]}))
+    forged.path(".json").write_text(json.dumps({"nvrtc_version": [12, 8], "cuda_headers_major": forged.cuda_headers_major}))
     forged.path(".cubin").write_bytes(entry_of(OTHER_SPEC).path(".cubin").read_bytes())
     nvrtc_unloadable(monkeypatch)
     monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
@@ -636,6 +666,42 @@ def test_disable_jit_accepts_another_nvrtc_version_newest_first(fake_nvrtc, fres
     monkeypatch.setattr(cache, "_cubins", {})
     monkeypatch.setattr(fake_nvrtc, "cubin", lambda name: b"\x7fELF13.0")
     assert cache.get_cubin(SPEC) == b"\x7fELF13.0"
+
+
+def test_without_nvrtc_the_metadata_proposes_the_cuda_headers_too(fake_nvrtc, fresh_cache, monkeypatch):
+    """Built against CUDA 12 headers, loaded where NVRTC cannot be: the key is recomputed with the
+    stored headers' major, whatever headers this machine has."""
+    monkeypatch.setattr(cache, "_cuda_headers_major", lambda nvrtc_major: 12)
+    cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cuda_headers_major", lambda nvrtc_major: 13)
+    monkeypatch.setattr(cache, "_cubins", {})
+    nvrtc_unloadable(monkeypatch)
+    monkeypatch.setattr(nvrtc, "cuda_include_dir", lambda major=None: pytest.fail("headers searched"))
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri]
+
+
+def test_without_cuda_headers_a_prebuilt_entry_still_loads(fake_nvrtc, fresh_cache, monkeypatch):
+    """NVRTC loads but no CUDA headers are found: this process cannot compile, so, as without NVRTC,
+    the entry the metadata proposes is used (JIT enabled)."""
+    cache.get_cubin(SPEC)
+    monkeypatch.setattr(cache, "_cuda_headers_major", lambda nvrtc_major: None)
+    monkeypatch.setattr(cache, "_cubins", {})
+    assert cache.get_cubin(SPEC) == fake_nvrtc.cubin(SPEC.uri)
+    assert fake_nvrtc.calls == [SPEC.uri]
+
+
+@pytest.mark.parametrize("metadata", ["{}", "[]", "7", '{"nvrtc_version": [12, 8]}',
+                                      '{"nvrtc_version": "12.8", "cuda_headers_major": 12}',
+                                      '{"nvrtc_version": [12, 8], "cuda_headers_major": "x"}'])
+def test_odd_metadata_proposes_nothing(fake_nvrtc, fresh_cache, monkeypatch, metadata):
+    entry = entry_of(SPEC)
+    entry.directory.mkdir(parents=True)
+    entry.path(".json").write_text(metadata)
+    nvrtc_unloadable(monkeypatch)
+    monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
+    with pytest.raises(cache.JitDisabledError):
+        cache.get_cubin(SPEC)
 
 
 def test_build_reports_where_each_entry_landed(fake_nvrtc, fresh_cache, temp_root, monkeypatch):

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import flashgen
 from flashgen import cli as cli_module
+from flashgen import config
 from flashgen.cli import MANIFEST, cli
 from flashgen.generator import cache, matrix, nvrtc, render
 from flashgen.generator.nvrtc import CompileError
@@ -131,18 +132,93 @@ def test_doctor_exits_zero_when_nothing_needs_fixing(healthy_machine):
 
 
 @pytest.mark.parametrize(
-    "nvrtc_version, driver, advice",
+    "nvrtc_version, bindings, driver, advice",
     [
-        ((13, 0), (12, 8), "pip install 'flashgen[cu12]')"),
-        ((12, 9), (12, 4), "pip install 'flashgen[cu12]' 'nvidia-cuda-nvrtc-cu12==12.4.*'"),
-        ((13, 1), (13, 0), "pip install 'nvidia-cuda-nvrtc==13.0.*'"),
+        ((13, 0), 13, (12, 8), "NVRTC 13 and cuda-bindings 13 are newer than the driver's CUDA 12.8: "
+                               "pip install 'flashgen[cu12]', or update the NVIDIA driver"),
+        # NVRTC 12 alone is not enough: cuda-bindings 13 needs a CUDA 13 driver (R580).
+        ((12, 9), 13, (12, 4), "cuda-bindings 13 is newer than the driver's CUDA 12.4: pip install 'flashgen[cu12]'"),
+        ((13, 0), 12, (11, 8), "NVRTC 13 and cuda-bindings 12 are newer than the driver's CUDA 11.8: "
+                               "update the NVIDIA driver (flashgen needs CUDA 12.0 or newer"),
+        ((14, 0), 13, (13, 0), "NVRTC 14 is newer than the driver's CUDA 13.0: pip install 'flashgen[cu13]'"),
     ],
 )
-def test_doctor_advises_the_nvrtc_of_the_driver(healthy_machine, monkeypatch, nvrtc_version, driver, advice):
+def test_doctor_advises_what_the_driver_supports(healthy_machine, monkeypatch, nvrtc_version, bindings, driver, advice):
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: nvrtc_version)
+    monkeypatch.setattr(nvrtc, "bindings_major", lambda: bindings)
     monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA", driver, None))
     output = run("doctor", expect=1).output
-    assert advice in output and "nvidia-cuda-nvrtc==12" not in output
+    assert advice in output and "nvidia-cuda-nvrtc" not in output
+
+
+@pytest.mark.parametrize(
+    "nvrtc_version, bindings, driver",
+    [((13, 5), 13, (13, 0)), ((12, 9), 12, (12, 4)), ((12, 9), 12, (13, 0))],
+)
+def test_doctor_compares_major_versions_only(healthy_machine, monkeypatch, nvrtc_version, bindings, driver):
+    """CUDA minor-version compatibility: a cubin of NVRTC 13.5 loads on a CUDA 13.0 driver."""
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: nvrtc_version)
+    monkeypatch.setattr(nvrtc, "bindings_major", lambda: bindings)
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA", driver, None))
+    assert "everything flashgen needs was found" in run("doctor").output
+
+
+def test_doctor_says_to_unset_a_forced_nvrtc_the_driver_cannot_load(healthy_machine, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NVRTC", "13")
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(nvrtc, "bindings_major", lambda: 12)
+    monkeypatch.setattr(nvrtc, "nvrtc_libraries", lambda: {13: Path("/w/cu13/lib/libnvrtc.so.13"),
+                                                           12: Path("/w/cuda_nvrtc/lib/libnvrtc.so.12")})
+    monkeypatch.setattr(cli_module, "_driver_status", lambda: ("supports CUDA", (12, 8), None))
+    output = run("doctor", expect=1).output
+    assert "unset FLASHGEN_NVRTC=13 (NVRTC 12 is installed)" in output
+    assert "FLASHGEN_NVRTC=13," in output  # the settings row
+    assert "nvrtc wheels:   13 (/w/cu13/lib/libnvrtc.so.13), 12 (/w/cuda_nvrtc/lib/libnvrtc.so.12)" in output
+
+
+def test_doctor_shows_the_nvrtc_wheels_and_the_default_choice(healthy_machine, monkeypatch):
+    monkeypatch.setattr(nvrtc, "nvrtc_libraries", lambda: {})
+    output = run("doctor").output
+    assert "nvrtc wheels:   none from the nvidia wheels" in output and "FLASHGEN_NVRTC=(auto)," in output
+
+
+def test_doctor_without_nvrtc_gives_the_install_hint_once(healthy_machine, monkeypatch):
+    def missing():
+        raise nvrtc.NvrtcNotFoundError(OSError("libnvrtc.so.13: cannot open shared object file"))
+
+    monkeypatch.setattr(nvrtc, "nvrtc_version", missing)
+    output = run("doctor", expect=1).output
+    assert "nvrtc:          not usable (OSError: libnvrtc.so.13: cannot open shared object file)" in output
+    assert f"  - {nvrtc.INSTALL_NVRTC_HINT}" in output and output.count(nvrtc.INSTALL_NVRTC_HINT) == 1
+
+
+def test_doctor_with_an_invalid_flashgen_nvrtc_lists_only_that(healthy_machine, monkeypatch):
+    def reads_the_knob():  # as the first nvrtc_version() of a process does
+        config.nvrtc_major()
+        return 13, 5
+
+    monkeypatch.setattr(nvrtc, "nvrtc_version", reads_the_knob)
+    monkeypatch.setenv("FLASHGEN_NVRTC", "twelve")
+    output = run("doctor", expect=1).output
+    assert "nvrtc:          not loaded (FLASHGEN_NVRTC is invalid)" in output
+    assert "FLASHGEN_NVRTC must be an NVRTC major version" in output
+    assert nvrtc.INSTALL_NVRTC_HINT not in output
+
+
+@pytest.mark.parametrize(
+    "cuinit, expected",
+    [(0, ("supports CUDA 12.4", (12, 4), None)),
+     (100, ("supports CUDA 12.4, but cuInit failed: CUDA_ERROR_NO_DEVICE", (12, 4),
+            "check the driver install and CUDA_VISIBLE_DEVICES"))],
+)
+def test_driver_status_reads_the_version_that_chooses_nvrtc(monkeypatch, cuinit, expected):
+    from cuda.bindings import driver
+
+    monkeypatch.setattr(nvrtc, "driver_cuda_version", lambda: (12, 4))
+    monkeypatch.setattr(driver, "cuInit", lambda flags: (driver.CUresult(cuinit),))
+    assert cli_module._driver_status() == expected
+    monkeypatch.setattr(nvrtc, "driver_cuda_version", lambda: None)
+    assert cli_module._driver_status()[:2] == ("no NVIDIA driver found", None)
 
 
 def test_doctor_names_a_refused_cache(healthy_machine, fresh_cache):

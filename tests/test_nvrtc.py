@@ -75,6 +75,51 @@ def test_compile_error_uses_the_given_source_path(tmp_path):
     assert info.value.source_path == saved
 
 
+def test_headers_beside_a_given_source_are_shareable_and_follow_no_link(tmp_path):
+    """A cache entry's headers: folder 0755, files 0644 whatever the umask; a planted link at a
+    header is replaced, its target left alone."""
+    saved = tmp_path / "entry.cu"
+    saved.write_text("not C++")
+    headers_dir = saved.with_suffix(".headers")
+    headers_dir.mkdir()
+    target = tmp_path / "victim"
+    target.write_text("keep me")
+    (headers_dir / "scale.cuh").symlink_to(target)
+    old_umask = os.umask(0o077)
+    try:
+        with pytest.raises(nvrtc.CompileError) as info:
+            nvrtc.compile_cubin("not C++", "bad", "sm_80", {**HEADERS, "sub/extra.cuh": "// x\n"}, [],
+                                source_path=saved)
+    finally:
+        os.umask(old_umask)
+    assert info.value.source_path == saved
+    assert target.read_text() == "keep me"
+    written = headers_dir / "scale.cuh"
+    assert not written.is_symlink() and written.read_text() == HEADERS["scale.cuh"]
+    assert (headers_dir / "sub" / "extra.cuh").read_text() == "// x\n"
+    for path, mode in ((written, 0o644), (headers_dir / "sub" / "extra.cuh", 0o644), (headers_dir / "sub", 0o755)):
+        assert path.stat().st_mode & 0o777 == mode, path
+    assert not [p for p in headers_dir.rglob("*.tmp")]
+
+
+def test_a_linked_headers_folder_is_not_written_through(tmp_path):
+    """<source>.headers planted as a link to another folder: the source and headers go to a fresh
+    private temporary folder instead, which the error names."""
+    saved = tmp_path / "entry.cu"
+    saved.write_text("not C++")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    saved.with_suffix(".headers").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(nvrtc.CompileError) as info:
+        nvrtc.compile_cubin("not C++", "bad", "sm_80", HEADERS, [], source_path=saved)
+    assert list(elsewhere.iterdir()) == []
+    moved = info.value.source_path
+    assert moved != saved and moved.read_text() == "not C++"
+    assert moved.parent.stat().st_mode & 0o777 == 0o700  # mkdtemp's: only this user
+    assert (moved.with_suffix(".headers") / "scale.cuh").read_text() == HEADERS["scale.cuh"]
+    assert str(moved) in str(info.value)
+
+
 def test_invalid_option_is_a_compile_error():
     with pytest.raises(nvrtc.CompileError, match="--no-such-option"):
         nvrtc.compile_cubin(TINY_KERNEL, "tiny", "sm_80", HEADERS, ["--no-such-option"])
@@ -204,6 +249,9 @@ def test_include_dir_matches_nvrtc_major_version(monkeypatch, tmp_path, nvrtc_ma
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (nvrtc_major, 0))
     assert nvrtc.cuda_include_dir() == root / expected / "include"
     assert nvrtc.cuda_headers_major(root / expected / "include") == nvrtc_major
+    # Those of a given major without loading NVRTC (the cache key of a prebuilt cache's entries).
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: pytest.fail("NVRTC loaded"))
+    assert nvrtc.cuda_include_dir(nvrtc_major) == root / expected / "include"
 
 
 def test_include_dir_of_another_major_is_the_last_resort(monkeypatch, tmp_path):
@@ -266,7 +314,7 @@ from flashgen import config
 from flashgen.generator import nvrtc
 driver = None if sys.argv[1] == "none" else int(sys.argv[1])
 nvrtc.driver_cuda_version = lambda: None if driver is None else (driver, 0)
-chosen = nvrtc.choose_nvrtc_major({12, 13}, driver, nvrtc._bindings_major(), config.nvrtc_major())
+chosen = nvrtc.choose_nvrtc_major({12, 13}, driver, nvrtc.bindings_major(), config.nvrtc_major())
 major = nvrtc.nvrtc_version()[0]
 assert major == chosen, (major, chosen)
 assert nvrtc.cuda_headers_major(nvrtc.cuda_include_dir()) == major, nvrtc.cuda_include_dir()

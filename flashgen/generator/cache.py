@@ -4,7 +4,7 @@ Layout under ``config.cache_dir()``::
 
     <uri>/<key>.cubin   framed cubin: magic, key, URI, payload length, sha256, payload
     <uri>/<key>.cu      the rendered source (what CompileError points at)
-    <uri>/<key>.json    metadata: spec, options, NVRTC version, compile seconds
+    <uri>/<key>.json    metadata: spec, options, NVRTC version, CUDA headers' major, compile seconds
     <uri>/<key>.lock    per-entry file lock
 
 The URI makes the folder readable; the key (a digest of everything that decides the binary) makes
@@ -30,12 +30,13 @@ from memory.  Hits take no lock, so a read-only prebuilt cache works (see FLASHG
 Files are written 0644 and folders 0755 whatever the umask, so a cache prebuilt by one user
 (root in an image, say) is readable by the others.
 
-A prebuilt cache needs no NVRTC: when NVRTC cannot be loaded, or FLASHGEN_DISABLE_JIT is set and the
-exact entry is missing, the entry is looked up by URI.  The metadata of the entries in the URI's
-folder proposes the NVRTC versions they were built with; for each, this process computes the key
-from its own schema, rendered source, headers, options and arch with that version, and loads the
-cubin only when its frame carries that key.  So everything in the key but NVRTC's version must match
-(the stored metadata is only a hint); the newest such version wins.
+A prebuilt cache needs no NVRTC: when NVRTC or CUDA headers of known version cannot be found, or
+FLASHGEN_DISABLE_JIT is set and the exact entry is missing, the entry is looked up by URI.  The
+metadata of the entries in the URI's folder proposes the NVRTC versions and CUDA headers' major
+versions they were built with; for each pair, this process computes the key from its own schema,
+rendered source, headers, options and arch with that pair, and loads the cubin only when its frame
+carries that key.  So everything in the key but those two must match (the stored metadata is only a
+hint); the newest NVRTC wins.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -61,7 +63,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from .. import config
-from . import nvrtc, render
+from . import files, nvrtc, render
 from .spec import KernelSpec
 
 try:
@@ -72,7 +74,8 @@ except ImportError:  # Windows: entries are locked with filelock there
 logger = logging.getLogger("flashgen")
 
 # Bump when the key's fields, the fixed flags of nvrtc.compile_cubin or the entry format change.
-SCHEMA_VERSION = 2
+# 3: the CUDA headers' major version is a key field.
+SCHEMA_VERSION = 3
 
 _MAGIC = b"FGCUBIN2"
 # magic, key (sha256 digest), URI length, payload length, sha256(key + URI + payload); then the
@@ -82,8 +85,6 @@ _FRAME = struct.Struct("<8s32sHQ32s")
 # Temp files of writers that died (a killed build) are removed when their folder is next written.
 STALE_TEMP_SECONDS = 600
 
-_FILE_MODE = 0o644
-_DIR_MODE = 0o755
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # none on Windows, where making a link needs a privilege
 # O_NONBLOCK: opening a FIFO planted as an entry must not hang the caller.
 _OPEN_FLAGS = (
@@ -144,9 +145,12 @@ def cache_key(
     arch: str,
     options: Sequence[str],
     nvrtc_version: tuple[int, int],
+    cuda_headers_major: int | None,
 ) -> str:
     """sha256 over labelled, length-prefixed fields, so no two different inputs share a byte stream.
-    Headers are taken in name order: the dict's insertion order does not decide the binary."""
+    Headers are taken in name order: the dict's insertion order does not decide the binary.
+    ``cuda_headers_major``: of the CUDA headers NVRTC includes (cuda_fp16.h, ...), so that one NVRTC
+    compiling against two toolkits' headers never shares an entry; None when they do not say."""
     digest = hashlib.sha256()
 
     def field(label: str, value: str) -> None:
@@ -156,6 +160,7 @@ def cache_key(
 
     field("schema", str(SCHEMA_VERSION))
     field("nvrtc", "{}.{}".format(*nvrtc_version))
+    field("cuda-headers", "none" if cuda_headers_major is None else str(cuda_headers_major))
     field("options", json.dumps(list(options)))
     field("arch", arch)
     field("source", source)
@@ -172,6 +177,7 @@ class _Entry:
     headers: Mapping[str, str]
     options: tuple[str, ...]
     nvrtc_version: tuple[int, int]
+    cuda_headers_major: int | None
     key: str
     directory: Path
 
@@ -185,13 +191,37 @@ def _entry(
     headers: Mapping[str, str],
     options: Sequence[str],
     version: tuple[int, int],
+    cuda_headers: int | None,
     root: Path,
 ) -> _Entry:
-    """The entry of ``spec`` compiled by NVRTC ``version`` under the cache folder ``root``."""
+    """The entry of ``spec`` compiled by NVRTC ``version`` against CUDA headers of major version
+    ``cuda_headers`` under the cache folder ``root``."""
     key = cache_key(
-        source=source, headers=headers, arch=spec.arch, options=options, nvrtc_version=version
+        source=source, headers=headers, arch=spec.arch, options=options, nvrtc_version=version,
+        cuda_headers_major=cuda_headers,
     )
-    return _Entry(spec, source, headers, tuple(options), version, key, root / spec.uri)
+    return _Entry(spec, source, headers, tuple(options), version, cuda_headers, key, root / spec.uri)
+
+
+@functools.cache
+def _cuda_headers_major(nvrtc_major: int) -> int | None:
+    """The major version of the CUDA headers an NVRTC of ``nvrtc_major`` compiles with here (None:
+    none found, or they do not say).  Once per process, so a hit searches no folders; a CUDA_HOME
+    changed later in the process is not seen."""
+    include_dir = nvrtc.cuda_include_dir(nvrtc_major)
+    return None if include_dir is None else nvrtc.cuda_headers_major(include_dir)
+
+
+def _local_entry(
+    spec: KernelSpec,
+    source: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    version: tuple[int, int],
+    root: Path,
+) -> _Entry:
+    """The entry this process compiles: NVRTC ``version`` and the CUDA headers it would use."""
+    return _entry(spec, source, headers, options, version, _cuda_headers_major(version[0]), root)
 
 
 def _nvrtc_version() -> tuple[int, int] | None:
@@ -200,13 +230,6 @@ def _nvrtc_version() -> tuple[int, int] | None:
         return nvrtc.nvrtc_version()
     except nvrtc.NvrtcNotFoundError:
         return None
-
-
-def _owner_problem(st: os.stat_result) -> str | None:
-    """Why a folder with this stat may hold code another user planted, as far as its owner goes."""
-    if hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
-        return f"owned by another user (uid {st.st_uid})"
-    return None
 
 
 def untrusted_reason(directory: Path) -> str | None:
@@ -221,37 +244,14 @@ def untrusted_reason(directory: Path) -> str | None:
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         # Without the sticky bit anyone may swap a per-kernel folder between its check and a read.
         return "writable by every user"
-    return _owner_problem(st)
-
-
-def _check_entry_dir(directory: Path) -> None:
-    """Raise OSError unless ``directory`` is a real folder (not a link) owned by this user or root
-    and not writable by every user (the sticky bit would not stop anyone adding an entry).  Group
-    write is accepted: folders made under a umask of 002 (user-private groups) have it."""
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise OSError(errno.ELOOP, "a link, which flashgen does not follow", str(directory))
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(directory))
-    problem = _owner_problem(st) or ("writable by every user" if st.st_mode & stat.S_IWOTH else None)
-    if problem is not None:
-        raise PermissionError(errno.EPERM, problem, str(directory))
-
-
-def _make_dir(directory: Path, mode: int = _DIR_MODE) -> None:
-    """Create ``directory`` (not its parents) with exactly ``mode``, whatever the umask."""
-    try:
-        os.mkdir(directory, mode)
-    except FileExistsError:
-        return
-    os.chmod(directory, mode)
+    return files.owner_problem(st)
 
 
 def unwritable_reason(directory: Path) -> str | None:
     """None when ``directory`` can be created and written, else why not."""
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        _make_dir(directory)
+        files.make_dir(directory)
         with tempfile.TemporaryFile(dir=directory):
             return None
     except OSError as exc:
@@ -344,7 +344,7 @@ def _file_lock(path: Path) -> Iterator[None]:
         with filelock.FileLock(path):
             yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, _FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, files.FILE_MODE)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -393,35 +393,43 @@ def _lookup(
     root: Path,
     any_nvrtc: bool,
 ) -> bytes | None:
-    """The cubin of ``spec`` under ``root`` built by NVRTC ``version``.  When that one is missing and
-    ``any_nvrtc`` is set, or the version is None (NVRTC not loadable): the one built by the newest
-    NVRTC whose entry matches every other key field (see the module docstring)."""
+    """The cubin of ``spec`` under ``root`` built by NVRTC ``version`` with this process's CUDA
+    headers.  When that one is missing and ``any_nvrtc`` is set, or this process could not compile
+    it (NVRTC not loadable: ``version`` None; no CUDA headers of known version): the one built by the newest NVRTC
+    whose entry matches every other key field (see the module docstring)."""
+    local = None
     if version is not None:
-        cubin = _read_cubin(_entry(spec, source, headers, options, version, root))
-        if cubin is not None or not any_nvrtc:
+        entry = _local_entry(spec, source, headers, options, version, root)
+        local = (entry.nvrtc_version, entry.cuda_headers_major)
+        cubin = _read_cubin(entry)
+        if cubin is not None or not (any_nvrtc or entry.cuda_headers_major is None):
             return cubin
-    for other in sorted(_stored_nvrtc_versions(root / spec.uri) - {version}, reverse=True):
-        entry = _entry(spec, source, headers, options, other, root)
+    stored = _stored_builds(root / spec.uri) - {local}
+    for build in sorted(stored, key=lambda b: (b[0], -1 if b[1] is None else b[1]), reverse=True):
+        entry = _entry(spec, source, headers, options, *build, root)
         cubin = _read_cubin(entry)
         if cubin is not None:
-            logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *other)
+            logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *build[0])
             return cubin
     return None
 
 
-def _stored_nvrtc_versions(directory: Path) -> set[tuple[int, int]]:
-    """The NVRTC versions the metadata in an entry folder names: candidates, checked by the key."""
-    versions = set()
+def _stored_builds(directory: Path) -> set[tuple[tuple[int, int], int | None]]:
+    """The (NVRTC version, CUDA headers' major) pairs the metadata in an entry folder names:
+    candidates, checked by the key."""
+    builds = set()
     try:
-        _check_entry_dir(directory)
+        files.check_dir(directory)
         names = [e.name for e in os.scandir(directory) if e.name.endswith(".json")]
     except OSError:
-        return versions
+        return builds
     for name in names:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            major, minor = json.loads(_read_entry_file(directory / name))["nvrtc_version"]
-            versions.add((int(major), int(minor)))
-    return versions
+        with contextlib.suppress(OSError, ValueError, TypeError, LookupError):
+            metadata = json.loads(_read_entry_file(directory / name))
+            major, minor = metadata["nvrtc_version"]
+            cuda_headers = metadata["cuda_headers_major"]
+            builds.add(((int(major), int(minor)), None if cuda_headers is None else int(cuda_headers)))
+    return builds
 
 
 def _load_or_compile(
@@ -447,15 +455,15 @@ def _load_or_compile(
     if version is None:
         version = nvrtc.nvrtc_version()  # raises NvrtcNotFoundError, saying what to install
     directory = write_dir(configured)
-    entry = _entry(spec, source, headers, options, version, directory)
+    entry = _local_entry(spec, source, headers, options, version, directory)
     if directory != root:
         cubin = _read_cubin(entry)
         if cubin is not None:
             return cubin, None, directory
     with _entry_lock(entry), contextlib.ExitStack() as locked:
         try:
-            _make_dir(entry.directory)
-            _check_entry_dir(entry.directory)
+            files.make_dir(entry.directory)
+            files.check_dir(entry.directory)
             locked.enter_context(_file_lock(entry.path(".lock")))
         except OSError as exc:
             # A fault below the cache folder (the entry's folder is a file, a link or another
@@ -485,7 +493,7 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     source_path: Path | None = entry.path(".cu")
     write_error: OSError | None = None
     try:
-        _atomic_write(source_path, entry.source.encode())
+        files.atomic_write(source_path, entry.source.encode())
     except OSError as exc:
         # Compile anyway: without a source path NVRTC saves a failing source to a temp folder.
         write_error, source_path = exc, None
@@ -497,11 +505,12 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
             "spec": entry.spec.to_dict(),
             "options": list(entry.options),
             "nvrtc_version": list(entry.nvrtc_version),
+            "cuda_headers_major": entry.cuda_headers_major,
             "compile_seconds": round(seconds, 3),
         }
         try:
-            _atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
-            _atomic_write(entry.path(".cubin"), _frame(entry, cubin))
+            files.atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
+            files.atomic_write(entry.path(".cubin"), _frame(entry, cubin))
         except OSError as exc:
             write_error = exc
     if write_error is not None:
@@ -524,7 +533,7 @@ def _read_cubin(entry: _Entry) -> bytes | None:
     not safely readable (a link, another user's folder)."""
     path = entry.path(".cubin")
     try:
-        _check_entry_dir(entry.directory)
+        files.check_dir(entry.directory)
         data = _read_entry_file(path)
     except (FileNotFoundError, NotADirectoryError):  # the latter: the cache "folder" is a file
         return None
@@ -548,22 +557,6 @@ def _read_cubin(entry: _Entry) -> bytes | None:
             return None
     logger.warning("corrupt cache entry %s; recompiling", path)
     return None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Readers see the old file or the whole new one: write a temp file in the same directory (same
-    file system, so the rename is atomic), then os.replace.  mkstemp creates it with O_EXCL and
-    O_NOFOLLOW; the mode is then set to 0644 so other users can load a cache one user built."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            if hasattr(os, "fchmod"):
-                os.fchmod(file.fileno(), _FILE_MODE)
-            file.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _is_temp_file(name: str) -> bool:

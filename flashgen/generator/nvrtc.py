@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Collection, Mapping, Sequence
 
 from .. import config
+from . import files
 
 try:
     from cuda.bindings import nvrtc as _nvrtc
@@ -46,6 +47,7 @@ class NvrtcNotFoundError(RuntimeError):
     """NVRTC (libnvrtc or the cuda-bindings package) cannot be loaded."""
 
     def __init__(self, cause: Exception):
+        self.cause = cause
         super().__init__(
             f"NVRTC is not usable ({type(cause).__name__}: {cause}): {INSTALL_NVRTC_HINT}"
         )
@@ -123,7 +125,17 @@ def driver_cuda_version() -> tuple[int, int] | None:
     return encoded // 1000, encoded % 1000 // 10
 
 
-def _bindings_major() -> int | None:
+def install_for_driver(driver_major: int) -> str | None:
+    """The pip command that brings an NVRTC, CUDA headers and cuda-bindings a driver of CUDA
+    ``driver_major`` supports; None below CUDA 12, which flashgen does not support.  For CUDA 12 the
+    whole extra, not an NVRTC 12 wheel alone: cuda-bindings 13 needs a CUDA 13 driver (R580)."""
+    if driver_major < 12:
+        return None
+    return "pip install 'flashgen[cu12]'" if driver_major == 12 else "pip install 'flashgen[cu13]'"
+
+
+def bindings_major() -> int | None:
+    """The major version of the installed cuda-bindings, None without it."""
     try:
         from cuda.bindings import __version__
     except ImportError:
@@ -146,7 +158,7 @@ def _load_chosen_nvrtc() -> int | None:
         return None
     driver_version = driver_cuda_version() if requested is None else None
     major = choose_nvrtc_major(
-        installed, driver_version and driver_version[0], _bindings_major(), requested
+        installed, driver_version and driver_version[0], bindings_major(), requested
     )
     # A major without a wheel: a CUDA toolkit's libnvrtc on the library path.
     library = installed.get(major)
@@ -161,7 +173,7 @@ def _load_chosen_nvrtc() -> int | None:
         raise NvrtcNotFoundError(exc) from exc
     logger.debug(
         "NVRTC %d chosen (installed: %s; driver: CUDA %s; cuda-bindings %s; FLASHGEN_NVRTC=%s)",
-        major, sorted(installed), driver_version, _bindings_major(), requested,
+        major, sorted(installed), driver_version, bindings_major(), requested,
     )
     return major
 
@@ -201,11 +213,12 @@ def cuda_headers_major(include_dir: Path) -> int | None:
     return int(match.group(1)) // 1000 if match else None
 
 
-def cuda_include_dir() -> Path | None:
+def cuda_include_dir(nvrtc_major: int | None = None) -> Path | None:
     """The CUDA headers NVRTC compiles with: among the folders holding cuda_fp16.h, the first of
     NVRTC's major version (CUDA 13's cuda_fp16.h is not CUDA 12's), else the first.  Searched: the
     nvidia wheels' nvidia/cu13/include (nvidia-cuda-runtime) and nvidia/cuda_runtime/include
-    (nvidia-cuda-runtime-cu12), then $CUDA_HOME/include, then /usr/local/cuda/include."""
+    (nvidia-cuda-runtime-cu12), then $CUDA_HOME/include, then /usr/local/cuda/include.
+    ``nvrtc_major``: those an NVRTC of that major version would use (without loading NVRTC)."""
     candidates: list[Path] = []
     try:
         import nvidia  # namespace package of the nvidia-* wheels; may span several site dirs
@@ -221,7 +234,7 @@ def cuda_include_dir() -> Path | None:
     found = [c for c in candidates if (c / "cuda_fp16.h").is_file()]
     if len(found) < 2:
         return found[0] if found else None
-    major = nvrtc_version()[0]
+    major = nvrtc_version()[0] if nvrtc_major is None else nvrtc_major
     return next((c for c in found if cuda_headers_major(c) == major), found[0])
 
 
@@ -305,12 +318,30 @@ def _save_for_reproduction(
     source: str, name: str, headers: Mapping[str, str], source_path: Path | None
 ) -> Path:
     """Write the source (unless already saved) and the in-memory headers to files, so that the
-    failing compile can be rerun by hand with ``-I<source>.headers``."""
-    if source_path is None:
-        source_path = Path(tempfile.mkdtemp(prefix="flashgen-")) / f"{name}.cu"
-        source_path.write_text(source)
-    for include_name, text in headers.items():
-        path = _headers_dir(source_path) / include_name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    failing compile can be rerun by hand with ``-I<source>.headers``.  Beside a given source (a
+    cache entry, which other users read) with the cache's rules: folders 0755 that are real and
+    this user's, files 0644 by atomic replace, so a planted link is never written through.  When
+    that fails, or without a source path: a fresh private temporary folder."""
+    if source_path is not None:
+        try:
+            _write_headers(_headers_dir(source_path), headers)
+            return source_path
+        except OSError as exc:
+            logger.warning("cannot save the headers of %s beside %s (%s); saving source and headers "
+                           "in a temporary folder", name, source_path, exc)
+    source_path = Path(tempfile.mkdtemp(prefix="flashgen-")) / f"{name}.cu"
+    files.atomic_write(source_path, source.encode())
+    _write_headers(_headers_dir(source_path), headers)
     return source_path
+
+
+def _write_headers(directory: Path, headers: Mapping[str, str]) -> None:
+    files.make_dir(directory)
+    files.check_dir(directory)
+    for include_name, text in headers.items():
+        folder = directory
+        for part in Path(include_name).parent.parts:  # an include name may have folders
+            folder = folder / part
+            files.make_dir(folder)
+            files.check_dir(folder)
+        files.atomic_write(directory / include_name, text.encode())

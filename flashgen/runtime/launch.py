@@ -87,20 +87,19 @@ def _incompatible_cubin_message(driver, spec: KernelSpec, err) -> str:
         f"the cubin was compiled by NVRTC {_version_text(nvrtc_version)} for {spec.arch}; "
         f"the driver supports CUDA {_version_text(driver_version)}"
     )
-    if nvrtc_version is not None and driver_version is not None and nvrtc_version <= driver_version:
-        cause = (
-            f"check that the GPU is a {spec.arch} device (FLASHGEN_FAMILY forces a family), or "
-            f"rebuild the entry with `flashgen cache clear`"
-        )
+    # Only majors count: minor-version compatibility loads a cubin of NVRTC 13.5 on a CUDA 13.0
+    # driver.  No `flashgen cache clear`: NVRTC's version is in the cache key, so another NVRTC
+    # compiles entries of its own.
+    if nvrtc_version is not None and driver_version is not None and nvrtc_version[0] <= driver_version[0]:
+        cause = f"check that the GPU is a {spec.arch} device (FLASHGEN_FAMILY forces a family)"
     else:
-        cu12 = driver_version is not None and driver_version[0] < 13
-        wheel = "nvidia-cuda-nvrtc-cu12" if cu12 else "nvidia-cuda-nvrtc"
-        pin = "" if driver_version is None else f"=={_version_text(driver_version)}.*"
-        cause = (
-            f"a driver older than the NVRTC that built a cubin cannot load it: update the NVIDIA "
-            f"driver, or install the NVRTC matching the driver (pip install '{wheel}{pin}') "
-            f"and then run `flashgen cache clear`"
-        )
+        cause = ("a driver cannot load the cubins of an NVRTC of a newer CUDA major version: update "
+                 "the NVIDIA driver")
+        install = None if driver_version is None else nvrtc.install_for_driver(driver_version[0])
+        if install is not None:
+            cause += f", or compile with the NVRTC, headers and cuda-bindings it supports: {install}"
+        elif driver_version is not None:
+            cause += " (flashgen needs CUDA 12.0 or newer, R525+)"
     return f"loading {spec.uri} failed: {_error_text(driver, err)}; {built}. To fix: {cause}"
 
 
