@@ -722,3 +722,26 @@ def test_write_dir_decided_first_decides_the_read_dir(fresh_cache, temp_root):
     thread.start()
     thread.join(timeout=10)
     assert result == [fresh_cache] and cache._read_dirs == {fresh_cache: fresh_cache}
+
+
+def test_build_compiles_one_snapshot_of_the_templates(fresh_cache, monkeypatch):
+    """`flashgen build` reads the templates once: its workers compile the sources and headers it
+    rendered, so files replaced while a build runs (a checkout being synced) cannot fail it."""
+    from flashgen.generator import matrix, render
+
+    specs = [s for s in matrix.all_specs(directions=["combine"], archs=["sm_80"])][:2]
+    snapshot = render.header_sources()
+    reads = []
+    monkeypatch.setattr(render, "header_sources", lambda: reads.append(1) or dict(snapshot))
+    compiled = []
+
+    def fake_load_or_compile(spec, options, headers, compile_on_miss=True, source=None):
+        compiled.append((spec, source, headers))
+        return b"cubin", 0.5, fresh_cache
+
+    monkeypatch.setattr(cache, "_load_or_compile", fake_load_or_compile)
+    results = list(cache.build(specs, jobs=1))
+    assert [r.spec for r in results] == specs and not any(r.error for r in results)
+    assert len(reads) == 1  # once for the whole build, not per instance
+    assert [(spec, source) for spec, source, _ in compiled] == [(s, render.render_instance(s)) for s in specs]
+    assert all(headers == snapshot for _, _, headers in compiled)

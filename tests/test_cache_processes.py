@@ -176,7 +176,7 @@ from flashgen.generator import cache
 
 def watchdog_only(parent_pid):
     cache._set_parent_death_signal = lambda: False
-    cache._worker_init(parent_pid)
+    cache._worker_init(parent_pid, {})
 
 def work(folder):
     Path(folder, str(os.getpid())).touch()
@@ -185,7 +185,7 @@ def work(folder):
 if __name__ == "__main__":
     folder, how = sys.argv[1:3]
     if how == "prctl":
-        executor = cache._build_executor(2)
+        executor = cache._build_executor(2, {})
     else:
         executor = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
                                        initializer=watchdog_only, initargs=(os.getpid(),))

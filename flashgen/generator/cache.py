@@ -437,15 +437,18 @@ def _load_or_compile(
     options: Sequence[str],
     headers: Mapping[str, str],
     compile_on_miss: bool = True,
+    source: str | None = None,
 ) -> tuple[bytes, float | None, Path | None]:
     """(cubin, compile seconds, the cache folder holding the entry): seconds None when it came
     from the disk cache, folder None when it could not be stored (a CacheWriteError caught by the
     caller).  Raises JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT;
     `flashgen build` always compiles), CacheWriteError when the compiled cubin could not be stored,
-    NvrtcNotFoundError on a miss without NVRTC."""
+    NvrtcNotFoundError on a miss without NVRTC. ``source``: the rendered instance, if the caller
+    has it."""
     configured = config.cache_dir()
     root = read_dir(configured)
-    source = render.render_instance(spec)
+    if source is None:
+        source = render.render_instance(spec)
     version = _nvrtc_version()
     cubin = _lookup(spec, source, headers, options, version, root, any_nvrtc=not compile_on_miss)
     if cubin is not None:
@@ -602,47 +605,55 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _worker_init(parent_pid: int) -> None:
+# A build worker's header sources: the snapshot `build` took, so that every instance of one build
+# compiles (and is keyed) against the same templates, whatever happens to the files meanwhile.
+_worker_headers: Mapping[str, str] | None = None
+
+
+def _worker_init(parent_pid: int, headers: Mapping[str, str]) -> None:
     """Build workers die with `flashgen build`: a killed build must not leave compiles running."""
+    global _worker_headers
+    _worker_headers = headers
     if not _set_parent_death_signal():
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
 
 
-def _build_executor(workers: int) -> ProcessPoolExecutor:
+def _build_executor(workers: int, headers: Mapping[str, str]) -> ProcessPoolExecutor:
     # spawn: NVRTC and CUDA state do not survive fork safely, and it behaves the same everywhere.
     return ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_worker_init,
-        initargs=(os.getpid(),),
+        initargs=(os.getpid(), dict(headers)),
     )
 
 
 def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
     """Compile ``specs`` into the cache, ``jobs`` processes at a time, yielding a result per spec
     as it completes (cached entries first).  Failures are results, not exceptions, so one bad
-    instance does not stop the rest."""
+    instance does not stop the rest.  The templates are read once, here: the workers compile the
+    sources rendered here against these headers."""
     options = tuple(compile_options())
     headers = render.header_sources()
     root = read_dir()
     version = _nvrtc_version()
-    misses = []
+    misses = {}
     # Look up in this process first: a warm cache then costs no worker start-up.
     for spec in specs:
         source = render.render_instance(spec)
         if _lookup(spec, source, headers, options, version, root, any_nvrtc=False) is not None:
             yield BuildResult(spec, 0.0, cached=True, cache_dir=root)
         else:
-            misses.append(spec)
+            misses[spec] = source
     if jobs <= 1 or len(misses) <= 1:
-        for spec in misses:
-            yield _build_one(spec, options)
+        for spec, source in misses.items():
+            yield _build_one(spec, source, options, headers)
         return
-    executor = _build_executor(min(jobs, len(misses)))
+    executor = _build_executor(min(jobs, len(misses)), headers)
     try:
-        futures = {executor.submit(_build_one, spec, options): spec for spec in misses}
+        futures = {executor.submit(_build_one, spec, source, options): spec for spec, source in misses.items()}
         for future in as_completed(futures):
             try:
                 yield future.result()
@@ -653,10 +664,12 @@ def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _build_one(spec: KernelSpec, options: tuple[str, ...]) -> BuildResult:
-    """Worker: module-level so a spawned process can unpickle it."""
+def _build_one(spec: KernelSpec, source: str, options: tuple[str, ...],
+               headers: Mapping[str, str] | None = None) -> BuildResult:
+    """Worker (module-level so that a spawned process can unpickle it): headers default to the
+    snapshot the worker was started with."""
     try:
-        _, seconds, directory = _load_or_compile(spec, options, render.header_sources())
+        _, seconds, directory = _load_or_compile(spec, options, headers or _worker_headers, source=source)
     except nvrtc.CompileError as exc:
         return BuildResult(spec, 0.0, cached=False, error=str(exc))
     except Exception as exc:
