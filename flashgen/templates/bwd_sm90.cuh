@@ -49,10 +49,6 @@
 #include "sm90_common.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
 
-#ifndef FLASHGEN_BWD_SM90_DV_FIRST
-#define FLASHGEN_BWD_SM90_DV_FIRST 1
-#endif
-
 namespace flashgen {
 
 // The sm90 backward's one parameter: five tensor maps (Q, K, V, dO as (d, rows, heads, batch); the
@@ -574,7 +570,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             mbar_arrive(dq_full);
         };
 
-#if FLASHGEN_BWD_SM90_DV_FIRST
         // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
         // before dK, so that dQ's tile store overlaps dK.
         pack_fragments<Element>(s, p_frag);
@@ -600,30 +595,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         keep_fragments(p_frag);
         keep_fragments(ds_frag);
         mbar_arrive(empty(stage));
-#else
-        pack_fragments<Element>(s, p_frag);
-        pack_fragments<Element>(dp, ds_frag);
-        store_ds();
-        fence_registers(acc_dv);
-        fence_registers(acc_dk);
-        wgmma_fence();
-        issue_dv();
-        issue_dk();
-        wgmma_commit();
-        named_barrier_sync(1, Tr::kConsumerThreads);
-        wgmma_fence();
-        issue_dq();
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dK done: the stage's Q, dO, LSE and D are free
-        fence_registers(acc_dv);
-        fence_registers(acc_dk);
-        keep_fragments(p_frag);
-        keep_fragments(ds_frag);
-        mbar_arrive(empty(stage));
-        wgmma_wait<0>();
-        fence_registers(acc_dq);
-        store_dq();
-#endif
     }
 
     // ---- dK (scaled) and dV of this consumer's keys.
