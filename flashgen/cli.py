@@ -169,8 +169,70 @@ def _gpu_target_arch() -> str | None:
         raise click.ClickException(str(exc)) from None
 
 
+def shard_specs(specs: list[KernelSpec], index: int, count: int) -> list[KernelSpec]:
+    """Shard ``index`` (1-based) of ``count``: round-robin over the specs sorted by URI, so the
+    shards are disjoint, cover ``specs`` between them, hold each family in near-equal parts, and do
+    not depend on the order the matrix lists them in."""
+    return sorted(specs, key=lambda s: s.uri)[index - 1::count]
+
+
+def _parse_shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    index, slash, count = value.partition("/")
+    if not (slash and index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise click.BadParameter(f"{value!r} is not I/N with 1 <= I <= N (e.g. 1/4 ... 4/4)")
+    return int(index), int(count)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class ProgressLines:
+    """Progress of a long build as plain lines (for logs and pipes, where a progress bar prints
+    nothing until the end): a line when another ``step`` of the total is done or ``interval``
+    seconds have passed, and one at the end.  ``write`` gets each line."""
+
+    def __init__(self, total: int, write, label: str = "compiling", interval: float = 5.0,
+                 step: float = 0.05, clock=time.monotonic):
+        self.total, self.write, self.label = total, write, label
+        self.interval, self.clock = interval, clock
+        self.every = max(1, int(total * step))
+        self.done = 0
+        self.start = self.last_time = clock()
+        self.last_done = 0
+
+    def update(self, count: int = 1) -> None:
+        self.done += count
+        now = self.clock()
+        if (self.done == self.total or self.done - self.last_done >= self.every
+                or now - self.last_time >= self.interval):
+            self.last_time, self.last_done = now, self.done
+            self.write(self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        text = f"{self.label}: {self.done}/{self.total} ({100 * self.done // max(self.total, 1)}%), {rate:.1f}/s"
+        if self.done < self.total:
+            text += f", ETA {_duration((self.total - self.done) / rate)}" if rate > 0 else ", ETA ?"
+        return f"{text}, {_duration(elapsed)} elapsed"
+
+
+def _stdout_is_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
 def _run_build(specs: list[KernelSpec], jobs: int, label: str) -> list[cache.BuildResult]:
     results = []
+    if not _stdout_is_terminal():
+        progress = ProgressLines(len(specs), lambda line: click.echo(line) or sys.stdout.flush(), label)
+        for result in cache.build(specs, jobs):
+            results.append(result)
+            progress.update()
+        return results
     with click.progressbar(
         length=len(specs),
         label=label,
@@ -195,9 +257,13 @@ def _report_failures(results: list[cache.BuildResult]) -> None:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True)
 @click.option("--filter", "uri_filter", metavar="TEXT", help="Only URIs containing TEXT.")
 @_direction_option
+@click.option("--shard", callback=_parse_shard, metavar="I/N",
+              help="Build only shard I of N (1-based): N jobs with 1/N ... N/N build the selection "
+                   "exactly once between them.")
 @click.pass_context
 def build_command(
-    ctx: click.Context, arch: list[str] | None, jobs: int, uri_filter: str | None, direction: str | None
+    ctx: click.Context, arch: list[str] | None, jobs: int, uri_filter: str | None, direction: str | None,
+    shard: tuple[int, int] | None,
 ) -> None:
     """Compile kernels into the cache (default: for this GPU, or for every target without one)."""
     if arch is None:
@@ -209,7 +275,15 @@ def build_command(
     ]
     if not specs:
         raise click.UsageError(f"no instance for {', '.join(arch)} matches filter {uri_filter!r}")
-    click.echo(f"{len(specs)} kernels for {', '.join(arch)}, {jobs} jobs, cache {config.cache_dir()}")
+    shard_text = ""
+    if shard is not None:
+        selected = len(specs)
+        specs = shard_specs(specs, *shard)
+        shard_text = f" (shard {shard[0]}/{shard[1]} of {selected})"
+        if not specs:
+            click.echo(f"shard {shard[0]}/{shard[1]} of {selected} kernels is empty: nothing to build")
+            return
+    click.echo(f"{len(specs)} kernels{shard_text} for {', '.join(arch)}, {jobs} jobs, cache {config.cache_dir()}")
     start = time.perf_counter()
     results = _run_build(specs, jobs, "compiling")
     wall = time.perf_counter() - start
