@@ -1,15 +1,18 @@
 """CPU tier, slow (marker ``matrix``): NVRTC compiles every forward instance for the targets CI
 checks, Ampere (sm_80) and Hopper (sm_90a).  Needs no GPU.
 
-The selected instances are built once, in parallel, into the session's cache; each test then
-reports its own instance, and get_cubin reads the cubin back through the normal path.
+The selected instances are built once, in parallel, into the session's cache (with a progress line
+every 5% or 30 s on the terminal); each test then reports its own instance, and get_cubin reads the
+cubin back through the normal path.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 
+from flashgen.cli import ProgressLines
 from flashgen.generator import cache, matrix
 from flashgen.generator.spec import KernelSpec
 
@@ -24,7 +27,26 @@ def matrix_build(request: pytest.FixtureRequest) -> dict[KernelSpec, cache.Build
         for item in request.session.items
         if item.get_closest_marker("matrix") and hasattr(item, "callspec")
     ]
-    return {r.spec: r for r in cache.build(selected, jobs=os.cpu_count() or 1)}
+    # The build takes long (about 40 minutes on 2 cores): progress lines through the terminal
+    # reporter, with output capturing suspended for each line (the reporter writes to the captured
+    # file descriptor otherwise); none without the reporter (e.g. -p no:terminal).
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+
+    def write_line(line: str) -> None:
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            reporter.write_line(line)
+
+    progress = None
+    if reporter is not None and selected:
+        write_line(f"compiling {len(selected)} matrix instances with NVRTC")
+        progress = ProgressLines(len(selected), write_line, label="matrix compile", interval=30.0)
+    results = {}
+    for result in cache.build(selected, jobs=os.cpu_count() or 1):
+        results[result.spec] = result
+        if progress is not None:
+            progress.update()
+    return results
 
 
 @pytest.mark.matrix
