@@ -260,10 +260,13 @@ def _report_failures(results: list[cache.BuildResult]) -> None:
 @click.option("--shard", callback=_parse_shard, metavar="I/N",
               help="Build only shard I of N (1-based): N jobs with 1/N ... N/N build the selection "
                    "exactly once between them.")
+@click.option("--archive", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Then write the built kernels to FILE (a .tar.gz with a manifest) for `flashgen "
+                   "cache import` on machines without NVRTC.")
 @click.pass_context
 def build_command(
     ctx: click.Context, arch: list[str] | None, jobs: int, uri_filter: str | None, direction: str | None,
-    shard: tuple[int, int] | None,
+    shard: tuple[int, int] | None, archive: Path | None,
 ) -> None:
     """Compile kernels into the cache (default: for this GPU, or for every target without one)."""
     if arch is None:
@@ -312,7 +315,15 @@ def build_command(
     if failed:
         _report_failures(failed)
     if failed or elsewhere:
+        if archive is not None:
+            click.echo(f"no archive written: not every kernel is in the cache {configured}", err=True)
         ctx.exit(1)
+    if archive is not None:
+        try:
+            written = cache.export_archive(specs, archive)
+        except (OSError, cache.ArchiveError) as exc:
+            raise click.ClickException(f"could not write the archive {archive}: {exc}") from None
+        click.echo(f"wrote {archive}: {written} kernels, {archive.stat().st_size / 2**20:.1f} MiB")
 
 
 @cli.group("cache")
@@ -347,6 +358,24 @@ def cache_clear_command(ctx: click.Context) -> None:
     for path, reason in result.failed:
         click.echo(f"could not remove {path}: {reason}", err=True)
     if result.failed:
+        ctx.exit(1)
+
+
+@cache_group.command("import")
+@click.argument("archive", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.pass_context
+def cache_import_command(ctx: click.Context, archive: Path) -> None:
+    """Load the kernels of an archive written by `flashgen build --archive` into the cache, checking
+    each cubin's digest and frame; with FLASHGEN_DISABLE_JIT=1 they then load without NVRTC."""
+    try:
+        result = cache.import_archive(archive)
+    except (OSError, cache.ArchiveError) as exc:
+        raise click.ClickException(f"could not import {archive}: {exc}") from None
+    click.echo(f"imported {result.entries} kernels from {archive} into {result.directory}")
+    configured = config.cache_dir()
+    if result.directory != configured:
+        click.echo(f"the cache {configured} is not writable, so they are in {result.directory}: set "
+                   f"FLASHGEN_CACHE_DIR to a folder you can write", err=True)
         ctx.exit(1)
 
 

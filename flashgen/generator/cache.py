@@ -37,6 +37,10 @@ versions they were built with; for each pair, this process computes the key from
 rendered source, headers, options and arch with that pair, and loads the cubin only when its frame
 carries that key.  So everything in the key but those two must match (the stored metadata is only a
 hint); the newest NVRTC wins.
+
+An archive (`flashgen build --archive`, export_archive) carries entries to such a machine: the
+framed cubins and their metadata (what that lookup reads) plus a manifest; `flashgen cache import`
+(import_archive) checks every member and writes the entries with the writers above.
 """
 from __future__ import annotations
 
@@ -397,20 +401,36 @@ def _lookup(
     headers.  When that one is missing and ``any_nvrtc`` is set, or this process could not compile
     it (NVRTC not loadable: ``version`` None; no CUDA headers of known version): the one built by the newest NVRTC
     whose entry matches every other key field (see the module docstring)."""
+    found = _find(spec, source, headers, options, version, root, any_nvrtc)
+    return None if found is None else found[1]
+
+
+def _find(
+    spec: KernelSpec,
+    source: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    version: tuple[int, int] | None,
+    root: Path,
+    any_nvrtc: bool,
+) -> tuple[_Entry, bytes] | None:
+    """_lookup's (entry, cubin)."""
     local = None
     if version is not None:
         entry = _local_entry(spec, source, headers, options, version, root)
         local = (entry.nvrtc_version, entry.cuda_headers_major)
         cubin = _read_cubin(entry)
-        if cubin is not None or not (any_nvrtc or entry.cuda_headers_major is None):
-            return cubin
+        if cubin is not None:
+            return entry, cubin
+        if not (any_nvrtc or entry.cuda_headers_major is None):
+            return None
     stored = _stored_builds(root / spec.uri) - {local}
     for build in sorted(stored, key=lambda b: (b[0], -1 if b[1] is None else b[1]), reverse=True):
         entry = _entry(spec, source, headers, options, *build, root)
         cubin = _read_cubin(entry)
         if cubin is not None:
             logger.info("using %s, built with NVRTC %d.%d", entry.path(".cubin"), *build[0])
-            return cubin
+            return entry, cubin
     return None
 
 
@@ -502,17 +522,8 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
         write_error, source_path = exc, None
     cubin, seconds = _compile(entry, source_path)
     if write_error is None:
-        metadata = {
-            "uri": entry.spec.uri,
-            "key": entry.key,
-            "spec": entry.spec.to_dict(),
-            "options": list(entry.options),
-            "nvrtc_version": list(entry.nvrtc_version),
-            "cuda_headers_major": entry.cuda_headers_major,
-            "compile_seconds": round(seconds, 3),
-        }
         try:
-            files.atomic_write(entry.path(".json"), (json.dumps(metadata, indent=2) + "\n").encode())
+            files.atomic_write(entry.path(".json"), _metadata(entry, seconds))
             files.atomic_write(entry.path(".cubin"), _frame(entry, cubin))
         except OSError as exc:
             write_error = exc
@@ -523,6 +534,21 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
         raise CacheWriteError(entry.path(".cubin"), write_error, cubin) from write_error
     logger.info("compiled %s in %.1f s -> %s", entry.spec.uri, seconds, entry.path(".cubin"))
     return cubin, seconds
+
+
+def _metadata(entry: _Entry, seconds: float | None) -> bytes:
+    """The entry's .json: what the NVRTC-free lookup reads (NVRTC version, CUDA headers' major)
+    and what a person reads.  ``seconds`` None: not compiled here (an archived entry)."""
+    metadata = {
+        "uri": entry.spec.uri,
+        "key": entry.key,
+        "spec": entry.spec.to_dict(),
+        "options": list(entry.options),
+        "nvrtc_version": list(entry.nvrtc_version),
+        "cuda_headers_major": entry.cuda_headers_major,
+        "compile_seconds": None if seconds is None else round(seconds, 3),
+    }
+    return (json.dumps(metadata, indent=2) + "\n").encode()
 
 
 def _frame(entry: _Entry, cubin: bytes) -> bytes:
@@ -543,23 +569,30 @@ def _read_cubin(entry: _Entry) -> bytes | None:
     except OSError as exc:
         logger.warning("cannot read cache entry %s (%s); recompiling", path, exc)
         return None
-    if len(data) >= _FRAME.size:
-        magic, key, uri_length, length, digest = _FRAME.unpack_from(data)
-        uri = data[_FRAME.size:_FRAME.size + uri_length]
-        payload = data[_FRAME.size + uri_length:]
-        if (
-            magic == _MAGIC and length == len(payload)
-            and hashlib.sha256(key + uri + payload).digest() == digest
-        ):
-            if key == bytes.fromhex(entry.key) and uri == entry.spec.uri.encode():
-                return payload
-            logger.warning(
-                "cache entry %s holds the kernel %s (key %s), not this one; recompiling",
-                path, uri.decode(errors="replace"), key.hex(),
-            )
-            return None
-    logger.warning("corrupt cache entry %s; recompiling", path)
+    framed = _unframe(data)
+    if framed is None:
+        logger.warning("corrupt cache entry %s; recompiling", path)
+        return None
+    key, uri, payload = framed
+    if key == bytes.fromhex(entry.key) and uri == entry.spec.uri.encode():
+        return payload
+    logger.warning(
+        "cache entry %s holds the kernel %s (key %s), not this one; recompiling",
+        path, uri.decode(errors="replace"), key.hex(),
+    )
     return None
+
+
+def _unframe(data: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(key, URI, payload) of a framed cubin; None when it is not one or is damaged."""
+    if len(data) < _FRAME.size:
+        return None
+    magic, key, uri_length, length, digest = _FRAME.unpack_from(data)
+    uri = data[_FRAME.size:_FRAME.size + uri_length]
+    payload = data[_FRAME.size + uri_length:]
+    if magic != _MAGIC or length != len(payload) or hashlib.sha256(key + uri + payload).digest() != digest:
+        return None
+    return key, uri, payload
 
 
 def _is_temp_file(name: str) -> bool:
@@ -746,3 +779,188 @@ def clear_cache() -> ClearResult:
             removed += sum(not os.path.lexists(p) for p in cubins)
     _cubins.clear()
     return ClearResult(removed, failed)
+
+
+# --- Archives: a built cache carried to machines without NVRTC ----------------------------------
+#
+# A gzipped tar: manifest.json first, then per entry (by URI) <uri>/<key>.json and <uri>/<key>.cubin,
+# the metadata and the framed cubin exactly as the cache stores them.  Members have mtime 0, owner 0
+# and mode 0644, so one cache always gives the same bytes.
+
+ARCHIVE_FORMAT = "flashgen-cubin-archive"
+ARCHIVE_SCHEMA = 1
+ARCHIVE_MANIFEST = "manifest.json"
+_KEY_CHARS = frozenset("0123456789abcdef")
+
+
+class ArchiveError(ValueError):
+    """An archive that cannot be written or imported; the message names the member and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportResult:
+    entries: int
+    directory: Path  # where the entries were written (the fallback when the cache is not writable)
+
+
+def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
+    """Write the cache entries of ``specs`` (they must be built) to the archive ``path``, replaced
+    atomically, 0644; returns how many.  The entries are those this process would load (_lookup)."""
+    import gzip
+    import io
+    import tarfile
+
+    options = tuple(compile_options())
+    headers = render.header_sources()
+    root = read_dir()
+    version = _nvrtc_version()
+    members: list[tuple[str, bytes]] = []
+    entries = []
+    for spec in sorted(set(specs), key=lambda s: s.uri):
+        found = _find(spec, render.render_instance(spec), headers, options, version, root, any_nvrtc=False)
+        if found is None:
+            raise ArchiveError(f"kernel {spec.uri} is not in the cache {root}: build it first")
+        entry, payload = found
+        framed, metadata = _frame(entry, payload), _metadata(entry, None)
+        name = f"{spec.uri}/{entry.key}"
+        members += [(f"{name}.json", metadata), (f"{name}.cubin", framed)]
+        entries.append({
+            "uri": spec.uri, "key": entry.key, "arch": spec.arch,
+            "nvrtc_version": list(entry.nvrtc_version), "cuda_headers_major": entry.cuda_headers_major,
+            "sha256": hashlib.sha256(framed).hexdigest(),
+            "metadata_sha256": hashlib.sha256(metadata).hexdigest(),
+        })
+
+    def uniform(field: str):  # the archive's value when every entry agrees (they do when one build made them)
+        values = {json.dumps(e[field]) for e in entries}
+        return entries[0][field] if len(values) == 1 else None
+
+    manifest = {
+        "format": ARCHIVE_FORMAT, "schema": ARCHIVE_SCHEMA, "cache_schema": SCHEMA_VERSION,
+        "nvrtc_version": uniform("nvrtc_version") if entries else None,
+        "cuda_headers_major": uniform("cuda_headers_major") if entries else None,
+        "archs": sorted({e["arch"] for e in entries}), "entries": entries,
+    }
+    members.insert(0, (ARCHIVE_MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode()))
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            if hasattr(os, "fchmod"):
+                os.fchmod(file.fileno(), files.FILE_MODE)
+            with gzip.GzipFile(filename="", mode="wb", fileobj=file, mtime=0) as gz, \
+                    tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mode, info.mtime = len(data), files.FILE_MODE, 0
+                    tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(entries)
+
+
+def _check_member_names(members) -> None:
+    """Refuse the whole archive before anything is written: a member that is not a plain file, or
+    whose name is absolute or climbs out (tar-slip).  Import never extracts by member name anyway;
+    such a member is a sign of an archive flashgen did not write."""
+    for member in members:
+        name = member.name
+        parts = name.replace("\\", "/").split("/")
+        if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or ".." in parts:
+            raise ArchiveError(f"archive member {name!r} has an absolute path or '..': refused")
+        if not member.isfile():
+            raise ArchiveError(f"archive member {name!r} is not a regular file (a link, folder or "
+                               "device): refused")
+
+
+def _valid_uri(uri) -> bool:
+    return (isinstance(uri, str) and uri.startswith("flash_") and len(uri) < 256
+            and all(c.isascii() and (c.isalnum() or c == "_") for c in uri))
+
+
+def import_archive(path: Path) -> ImportResult:
+    """Load an archive written by export_archive into the cache's write folder (the configured one
+    when writable), through the cache's writers: folders checked and never followed, files 0644 by
+    atomic replace, each entry under its lock, its cubin last.  Every member is checked first:
+    names (no absolute paths, no '..', plain files only, nothing the manifest does not list), then
+    per entry the cubin's sha256 and its frame's key and URI against the manifest.  Raises
+    ArchiveError (and writes nothing for the entry at fault) when a check fails."""
+    import tarfile
+
+    try:
+        tar = tarfile.open(path, mode="r:*")
+    except (OSError, tarfile.TarError) as exc:
+        raise ArchiveError(f"{path} is not a flashgen archive: {exc}") from exc
+    with tar:
+        members = tar.getmembers()
+        _check_member_names(members)
+        by_name = {m.name: m for m in members}
+
+        def read(name: str) -> bytes:
+            member = by_name.get(name)
+            if member is None:
+                raise ArchiveError(f"{path}: member {name!r} is missing")
+            return tar.extractfile(member).read()
+
+        try:
+            manifest = json.loads(read(ARCHIVE_MANIFEST))
+            schema_ok = manifest["format"] == ARCHIVE_FORMAT and manifest["schema"] == ARCHIVE_SCHEMA
+            entries = list(manifest["entries"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ArchiveError(f"{path}: no valid {ARCHIVE_MANIFEST} ({exc})") from exc
+        if not schema_ok:
+            raise ArchiveError(f"{path}: format {manifest.get('format')!r} schema {manifest.get('schema')!r}, "
+                               f"not {ARCHIVE_FORMAT!r} schema {ARCHIVE_SCHEMA}")
+        if manifest.get("cache_schema") != SCHEMA_VERSION:
+            raise ArchiveError(f"{path} holds cache entries of schema {manifest.get('cache_schema')}, which this "
+                               f"flashgen (schema {SCHEMA_VERSION}) would never load: rebuild it")
+        listed = {ARCHIVE_MANIFEST}
+        for item in entries:
+            uri, key = (item.get("uri"), item.get("key")) if isinstance(item, dict) else (None, None)
+            if not _valid_uri(uri) or not (isinstance(key, str) and len(key) == 64 and set(key) <= _KEY_CHARS):
+                raise ArchiveError(f"{path}: manifest entry {item!r} has no valid URI and key")
+            listed |= {f"{uri}/{key}.json", f"{uri}/{key}.cubin"}
+        unlisted = sorted(by_name.keys() - listed)
+        if unlisted:
+            raise ArchiveError(f"{path}: member {unlisted[0]!r} is not in the manifest: refused")
+
+        root = write_dir()
+        root.parent.mkdir(parents=True, exist_ok=True)
+        files.make_dir(root)
+        for item in entries:
+            uri, key = item["uri"], item["key"]
+            framed, metadata = read(f"{uri}/{key}.cubin"), read(f"{uri}/{key}.json")
+            _check_archived_entry(path, item, framed, metadata)
+            directory = root / uri
+            files.make_dir(directory)
+            files.check_dir(directory)
+            with _file_lock(directory / f"{key}.lock"):
+                files.atomic_write(directory / f"{key}.json", metadata)
+                files.atomic_write(directory / f"{key}.cubin", framed)  # last: the entry exists now
+    logger.info("imported %d kernels from %s into %s", len(entries), path, root)
+    return ImportResult(len(entries), root)
+
+
+def _check_archived_entry(path: Path, item: Mapping, framed: bytes, metadata: bytes) -> None:
+    uri, key = item["uri"], item["key"]
+    where = f"{path}: {uri}/{key}.cubin"
+    if hashlib.sha256(framed).hexdigest() != item.get("sha256"):
+        raise ArchiveError(f"{where} does not match its sha256 in the manifest: refused")
+    if hashlib.sha256(metadata).hexdigest() != item.get("metadata_sha256"):
+        raise ArchiveError(f"{where[:-6]}.json does not match its sha256 in the manifest: refused")
+    unframed = _unframe(framed)
+    if unframed is None:
+        raise ArchiveError(f"{where} is not a valid framed cubin: refused")
+    if unframed[0] != bytes.fromhex(key) or unframed[1] != uri.encode():
+        raise ArchiveError(f"{where} is framed for {unframed[1].decode(errors='replace')} (key "
+                           f"{unframed[0].hex()}), not the entry the manifest names: refused")
+    try:
+        fields = json.loads(metadata)
+        ok = fields["uri"] == uri and fields["key"] == key and len(fields["nvrtc_version"]) == 2
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ArchiveError(f"{where[:-6]}.json is not valid entry metadata ({exc})") from exc
+    if not ok:
+        raise ArchiveError(f"{where[:-6]}.json names another entry: refused")
