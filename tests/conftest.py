@@ -7,6 +7,8 @@ Markers:
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +52,17 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(directory))
     monkeypatch.setattr(cache, "_cubins", {})
     return directory
+
+
+@pytest.fixture
+def temp_root(monkeypatch, tmp_path) -> Path:
+    """tempfile's folder (where the fallback cache goes) in tmp_path, and no cache folder decided."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    monkeypatch.setattr(cache, "_read_dirs", {})
+    monkeypatch.setattr(cache, "_write_dirs", {})
+    return root
 
 
 class FakeNvrtc:

@@ -297,17 +297,6 @@ def test_cache_info_and_clear(fake_nvrtc, fresh_cache):
     assert len(fake_nvrtc.calls) == 3
 
 
-@pytest.fixture
-def temp_root(monkeypatch, tmp_path) -> Path:
-    """tempfile's folder (where the fallback cache goes) in tmp_path, and no fallback decided."""
-    root = tmp_path / "tmp"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    monkeypatch.setattr(cache, "_read_dirs", {})
-    monkeypatch.setattr(cache, "_write_dirs", {})
-    return root
-
-
 def fallback_dir(temp_root: Path) -> Path:
     return temp_root / f"flashgen-{os.getuid()}"
 

@@ -6,7 +6,6 @@ import errno
 import importlib.metadata
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -236,17 +235,6 @@ def test_version(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)  # run from a source tree
     assert run("--version").output == f"flashgen {flashgen.__version__}\n"
-
-
-@pytest.fixture
-def temp_root(monkeypatch, tmp_path) -> Path:
-    """tempfile's folder (where the fallback cache goes) in tmp_path, and no folder decided."""
-    root = tmp_path / "tmp"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    monkeypatch.setattr(cache, "_read_dirs", {})
-    monkeypatch.setattr(cache, "_write_dirs", {})
-    return root
 
 
 def test_build_fails_when_entries_land_in_the_fallback(fake_nvrtc, fresh_cache, temp_root, monkeypatch):
