@@ -18,7 +18,7 @@ import pytest
 
 from flashgen.generator import cache, nvrtc
 
-from test_cache import OTHER_SPEC, SPEC, entry_files, entry_of, fallback_dir, nvrtc_unloadable, temp_root  # noqa: F401
+from test_cache import OTHER_SPEC, SPEC, entry_files, entry_of, fallback_dir, nvrtc_unloadable
 
 NOBODY = 65534
 
