@@ -324,8 +324,9 @@ struct BwdParams {
     float alibi_scale;  // as in FwdParams
     unsigned int dropout_threshold;  // as in FwdParams
     float rp_dropout;  // as in FwdParams
+    int dq_turns_descending;  // deterministic sm90 dQ: 1 = key blocks add to a query block last first (grid reversed, query blocks ascending), 0 = first first; the plan's choice (BwdPlan.dq_turns_descending)
 };
-static_assert(sizeof(BwdParams) == 368, "Params size drift");
+static_assert(sizeof(BwdParams) == 376, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
 static_assert(__builtin_offsetof(BwdParams, q_ptr) == 0, "Params layout drift: q_ptr");
 static_assert(__builtin_offsetof(BwdParams, k_ptr) == 8, "Params layout drift: k_ptr");
@@ -381,6 +382,7 @@ static_assert(__builtin_offsetof(BwdParams, softcap) == 352, "Params layout drif
 static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 356, "Params layout drift: alibi_scale");
 static_assert(__builtin_offsetof(BwdParams, dropout_threshold) == 360, "Params layout drift: dropout_threshold");
 static_assert(__builtin_offsetof(BwdParams, rp_dropout) == 364, "Params layout drift: rp_dropout");
+static_assert(__builtin_offsetof(BwdParams, dq_turns_descending) == 368, "Params layout drift: dq_turns_descending");
 #endif
 
 struct BwdRowParams {

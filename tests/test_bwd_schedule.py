@@ -1,13 +1,16 @@
 """The sm90 backward's deterministic dQ order (bwd_sm90.cuh), modelled on the CPU.
 
-The kernel's key block n visits query blocks [m_block_min, m_block_max), the last first (and the
-query heads of its group within each), and in deterministic mode adds to query block m when the
-block's semaphore reaches its turn: n less the first key block that sees m. The model below restates
-those integer rules (the kernel's, line for line) and checks what the order needs: at every query
-block the turns of the visiting key blocks are exactly 0, 1, ..., so the counter reaches every turn
-once; a key block only waits for blocks launched before it (lower blockIdx.x), so the waits end
-however few CTAs are resident; and a block's predecessor at a query block reaches it at the same
-step or sooner, so that blocks running side by side wait only at the start.
+The kernel's key block n visits query blocks [m_block_min, m_block_max) (and the query heads of
+its group within each), and in deterministic mode adds to query block m when the block's semaphore
+reaches its turn. In ascending turns the query blocks go last first and the turn is n less the
+first key block that sees m; in descending turns (causal only, the plan's choice) the grid runs
+backwards (blockIdx.x = key blocks - 1 - n), the query blocks first first, and the turn is the last
+key block that sees m less n. The model below restates those integer rules (the kernel's, line for
+line) and checks what an order needs: at every query block the turns of the visiting key blocks
+are exactly 0, 1, ..., so the counter reaches every turn once; a key block only waits for blocks
+launched before it (lower blockIdx.x), so the waits end however few CTAs are resident; and a
+block's predecessor at a query block reaches it at the same step or sooner, so that blocks running
+side by side wait only at the start.
 """
 from __future__ import annotations
 
@@ -36,29 +39,35 @@ def visited_query_blocks(n, seqlen_q, seqlen_k, block_m, mask, window_left, wind
     return range(m_min, max(m_max, m_min))
 
 
-def turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left):
+def turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left, window_right, descending=False):
     """The semaphore value key block n waits for at query block m (the dQ writer)."""
+    if descending:
+        last_key = min(seqlen_k - 1, m * block_m + block_m - 1 + (seqlen_k - seqlen_q) + window_right)
+        return last_key // BLOCK_N - n
     if mask != "local":
         return n
     first_key = m * block_m + (seqlen_k - seqlen_q) - window_left
     return n - (int(first_key / BLOCK_N) if first_key > 0 else 0)
 
 
-def check_order(seqlen_q, seqlen_k, block_m, causal, window_size, qhpk=1):
+def check_order(seqlen_q, seqlen_k, block_m, causal, window_size, qhpk=1, descending=False):
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
+    if descending and mask != "causal":
+        return  # the plan picks descending turns only under a causal mask
     n_blocks = -(-seqlen_k // BLOCK_N)
-    arrivals: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (m, head) -> (turn, n, step)
+    arrivals: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # (m, head) -> (turn, launch, step)
     for n in range(n_blocks):
         blocks = visited_query_blocks(n, seqlen_q, seqlen_k, block_m, mask, window_left, window_right)
-        steps = [(m, head) for m in reversed(blocks) for head in range(qhpk)]
+        steps = [(m, head) for m in (blocks if descending else reversed(blocks)) for head in range(qhpk)]
+        launch = n_blocks - 1 - n if descending else n  # blockIdx.x
         for step, (m, head) in enumerate(steps):
             arrivals.setdefault((m, head), []).append(
-                (turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left), n, step))
+                (turn(n, m, seqlen_q, seqlen_k, block_m, mask, window_left, window_right, descending), launch, step))
     for tile, seen in arrivals.items():
         seen.sort()
         assert [t for t, _, _ in seen] == list(range(len(seen))), (tile, seen)
         for (_, before, step_before), (_, after, step_after) in zip(seen, seen[1:]):
-            assert before < after, (tile, seen)  # launched earlier: blockIdx.x is the key block
+            assert before < after, (tile, seen)  # launched earlier
             assert step_before <= step_after, (tile, seen)
 
 
@@ -67,12 +76,31 @@ def check_order(seqlen_q, seqlen_k, block_m, causal, window_size, qhpk=1):
                                                  (False, (-1, 5)), (False, (300, 0)), (False, (0, 0))])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 1023), (1023, 1), (113, 255), (1023, 1023), (4096, 4096),
                                                 (300, 1023), (1023, 300)])
-def test_deterministic_order(head_dim, causal, window_size, seqlen_q, seqlen_k):
-    check_order(seqlen_q, seqlen_k, bwd_tile("sm90", "sm_90a", head_dim).block_m, causal, window_size)
+@pytest.mark.parametrize("descending", [False, True])
+def test_deterministic_order(head_dim, causal, window_size, seqlen_q, seqlen_k, descending):
+    check_order(seqlen_q, seqlen_k, bwd_tile("sm90", "sm_90a", head_dim).block_m, causal, window_size,
+                descending=descending)
 
 
 @settings(max_examples=300, deadline=None)
 @given(seqlen_q=st.integers(1, 3000), seqlen_k=st.integers(1, 3000), block_m=st.sampled_from([64, 128]),
-       causal=st.booleans(), left=st.integers(-1, 2000), right=st.integers(-1, 2000), qhpk=st.sampled_from([1, 4]))
-def test_deterministic_order_any_shape(seqlen_q, seqlen_k, block_m, causal, left, right, qhpk):
-    check_order(seqlen_q, seqlen_k, block_m, causal, (left, right), qhpk)
+       causal=st.booleans(), left=st.integers(-1, 2000), right=st.integers(-1, 2000), qhpk=st.sampled_from([1, 4]),
+       descending=st.booleans())
+def test_deterministic_order_any_shape(seqlen_q, seqlen_k, block_m, causal, left, right, qhpk, descending):
+    check_order(seqlen_q, seqlen_k, block_m, causal, (left, right), qhpk, descending)
+
+
+def test_plan_picks_descending_turns_for_mha_causal_only():
+    from flashgen.runtime.backward import plan_bwd
+
+    def descending(**overrides):
+        args = dict(dtype="bf16", head_dim=128, batch=2, seqlen_q=1000, seqlen_k=1000, nheads_k=8, causal=True,
+                    window_size=(-1, -1), softcap=0.0, device=(9, 0), sm90=True, nheads=8, deterministic=True)
+        return plan_bwd(**{**args, **overrides}).dq_turns_descending
+
+    assert descending()
+    assert descending(window_size=(-1, 0), causal=False)  # the same mask
+    assert not descending(deterministic=False)
+    assert not descending(nheads=32)  # GQA
+    assert not descending(causal=False)
+    assert not descending(causal=False, window_size=(100, 0))

@@ -693,3 +693,17 @@ def test_tma_map_geometry(monkeypatch, group):
         tma._encode(dq_accum.permute(0, 2, 1, 3), 64)
         assert (seen["rank"], seen["dims"], seen["strides"], seen["box"]) == (
             4, [128, 13, 8, 2], [128 * 4, 13 * 128 * 4, 8 * 13 * 128 * 4], [32, 64, 1, 1])
+
+
+@pytest.mark.parametrize("head_dim, threads", [(8, 1), (16, 2), (40, 8), (64, 8), (72, 16), (128, 16), (136, 32),
+                                               (256, 32)])
+def test_bwd_row_threads_and_grid(head_dim, threads):
+    """bwd_pre/bwd_post give a row one lane per 16-byte chunk (a power of two, at most a warp), and
+    the grid holds every row: ROW_KERNEL_WARPS warps of 32 / threads rows per CTA."""
+    from flashgen.generator.tiles import ROW_KERNEL_WARPS, bwd_row_grid, bwd_row_threads
+
+    assert bwd_row_threads(head_dim) == threads
+    rows_per_cta = ROW_KERNEL_WARPS * 32 // threads
+    for rows in (1, rows_per_cta - 1, rows_per_cta, rows_per_cta + 1, 16 * 1024 * 32):
+        blocks = bwd_row_grid(rows, head_dim)[0]
+        assert (blocks - 1) * rows_per_cta < rows <= blocks * rows_per_cta

@@ -312,9 +312,25 @@ def fwd_tile(family: str, arch: str, head_dim: int, mask: str = "none", decode: 
     return tile
 
 
-# The append and backward row kernels (bwd_pre, bwd_post) give each (batch, row, head) one warp; a
-# CTA holds this many. (The combine picks its own geometry: launch_combine in runtime/interface.py.)
+# The row kernels' CTAs hold this many warps. The append gives each (batch, row, head) a warp; the
+# backward's (bwd_pre, bwd_post) give a row bwd_row_threads lanes. (The combine picks its own
+# geometry: launch_combine in runtime/interface.py.)
 ROW_KERNEL_WARPS = 4
+
+
+def bwd_row_threads(head_dim: int) -> int:
+    """Lanes per row of bwd_pre and bwd_post (bwd_rows.cuh's rule): one per 16-byte chunk, rounded
+    up to a power of two, at most a warp."""
+    chunks, threads = head_dim // 8, 1
+    while threads < chunks and threads < 32:
+        threads *= 2
+    return threads
+
+
+def bwd_row_grid(rows: int, head_dim: int) -> tuple[int, int, int]:
+    """CTAs for bwd_pre and bwd_post over `rows` (batch, query, head) rows."""
+    rows_per_cta = ROW_KERNEL_WARPS * (32 // bwd_row_threads(head_dim))
+    return (max(1, -(-rows // rows_per_cta)), 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)

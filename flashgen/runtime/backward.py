@@ -9,7 +9,7 @@ import torch
 from .. import config
 from ..generator import matrix
 from ..generator.spec import KernelSpec
-from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_tile
+from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_row_grid, bwd_tile
 from . import params as params_mod
 from . import tma
 from .device import device_index, device_info
@@ -26,6 +26,11 @@ class BwdPlan:
     grid: tuple[int, int, int]  # (key blocks x head-dim slices, KV heads, batch)
     window_left: int
     window_right: int
+    # Deterministic sm90 dQ order (bwd_sm90.cuh): key blocks add to a query block last first when
+    # every query head has its own KV head under a causal mask, first first otherwise. Measured
+    # (benchmarks/results/20261202-nvidia-h200-sm90-bwd-rows-order): MHA causal gains with the
+    # former, GQA and the unmasked with the latter.
+    dq_turns_descending: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -36,7 +41,8 @@ class BwdPlan:
 def plan_bwd(
     *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
     causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
-    family: str | None = None, dropout: bool = False, sm90: bool = False,
+    family: str | None = None, dropout: bool = False, sm90: bool = False, nheads: int | None = None,
+    deterministic: bool = False,
 ) -> BwdPlan:
     """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
     caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused);
@@ -53,7 +59,9 @@ def plan_bwd(
         sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
         tile = bwd_tile("sm90", arch, sm90_head_dim)
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
-        return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right)
+        descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
+        return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right,
+                       dq_turns_descending=descending)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
     spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)
@@ -112,7 +120,8 @@ def flash_bwd(
     plan = plan_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
-        family=config.forced_family(), dropout=dropout is not None and dropout.p > 0,
+        family=config.forced_family(), dropout=dropout is not None and dropout.p > 0, nheads=nheads,
+        deterministic=deterministic,
         # The TMA checks only on Hopper; the sm90 backward takes dense and varlen calls (deterministic
         # or not), without seqused.
         sm90=info.capability[0] == 9 and seqused_q is None and seqused_k is None and tma.compatible(q, k, v, dout),
@@ -135,7 +144,7 @@ def flash_bwd(
     for prefix, t in (("o", out), ("do", dout), ("dq", dq)):
         row_values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
     row_params = params_mod.pack(params_mod.BWD_ROW_LAYOUT, row_values)
-    row_grid = (-(-stats_batch * stats_rows * nheads // ROW_KERNEL_WARPS), 1, 1)
+    row_grid = bwd_row_grid(stats_batch * stats_rows * nheads, head_dim)
     spec = plan.spec
     pre = KernelSpec("bwd_pre", spec.family, spec.arch, spec.dtype)
     post = KernelSpec("bwd_post", spec.family, spec.arch, spec.dtype)
@@ -158,6 +167,7 @@ def flash_bwd(
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
+        dq_turns_descending=int(plan.dq_turns_descending),
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})

@@ -196,6 +196,9 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("alibi_scale", "f32", "as in FwdParams"),
     Field("dropout_threshold", "u32", "as in FwdParams"),
     Field("rp_dropout", "f32", "as in FwdParams"),
+    Field("dq_turns_descending", "i32",
+          "deterministic sm90 dQ: 1 = key blocks add to a query block last first (grid reversed, query "
+          "blocks ascending), 0 = first first; the plan's choice (BwdPlan.dq_turns_descending)"),
 )
 
 BWD_ROW_PARAMS: tuple[Field, ...] = (

@@ -30,12 +30,16 @@
 // serves those calls): seqused_q/k, head dims above 128.
 //
 // Deterministic mode (params.semaphore_ptr set, a counter per (batch, query head, query block)):
-// the key blocks that see a query block add their dQ to it in ascending order, each after the
+// the key blocks that see a query block add their dQ to it in a fixed order, each after the
 // previous one's reductions have completed; the consumers go on computing meanwhile (only the dQ
 // writer waits). A block waits only for blocks launched before it, so the waits end however few
-// CTAs are resident; and every key block reaches a query block at the same step (see the step
-// order), so block n starts about n reductions late and then never waits. Longest blocks still
-// run first under a causal mask.
+// CTAs are resident. Two orders (the plan picks, params.dq_turns_descending):
+//   ascending key blocks, query blocks last first: every key block reaches a query block at the
+//     same step, so block n starts about n reductions late and then never waits; longest blocks
+//     still run first under a causal mask;
+//   descending (causal only), the grid reversed, query blocks first first: a key block reaches a
+//     query block no later than the blocks after it in the order, so none waits for long, but the
+//     shortest blocks run first.
 //
 // Dropout (kDropout): the forward's Philox mask (common.cuh's Dropout) regenerated per step. A
 // thread's keys key and key + 8 of a query lie in one Philox block (the 16 keys of quad lane
@@ -130,13 +134,14 @@ __device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
     for (int i = 0; i < N; ++i) asm volatile("" ::"r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]) : "memory");
 }
 
-// A key block's step: its query block and query head of the group (flash_bwd_sm90's step order).
+// A key block's step: its query block and query head of the group (flash_bwd_sm90's step order:
+// the heads fastest, query blocks by m_step, -1 from the last or +1 from the first).
 struct BwdStep {
-    int m_block, head;
+    int m_block, head, m_step;
     __device__ __forceinline__ void advance(int qhpk) {
         if (++head == qhpk) {
             head = 0;
-            --m_block;
+            m_block += m_step;
         }
     }
 };
@@ -248,7 +253,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
-    int const n_block = blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    // Deterministic dQ in descending turns runs the grid backwards (see the step order).
+    bool const descending = params.dq_turns_descending != 0;
+    int const n_block = descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
     // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.
     bool const varlen_q = params.cu_seqlens_q_ptr != nullptr, varlen_k = params.cu_seqlens_k_ptr != nullptr;
@@ -271,11 +278,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             m_block_max = last_query < 0 ? 0 : min(last_query / kBlockM + 1, m_blocks);
         }
     }
-    // Steps enumerate (query block, query head of the group): query blocks from the last that sees
-    // these keys down to the first, the group's heads fastest, advanced by counters on every side
-    // (no division). Every key block thus reaches a query block at the same step, or (a local
-    // window's) later for later key blocks, which is the deterministic mode's order.
+    // Steps enumerate (query block, query head of the group), the group's heads fastest, advanced
+    // by counters on every side (no division). Query blocks go from the last that sees these keys
+    // down to the first: every key block reaches a query block at the same step, or (a local
+    // window's) later for later key blocks, which suits the deterministic mode's ascending turns.
+    // In descending turns (causal only) they go from the first up: a key block reaches a query
+    // block no later than the blocks before it, which add to it after it.
     int const steps = qhpk * max(m_block_max - m_block_min, 0);
+    BwdStep const first_step{descending ? m_block_min : m_block_max - 1, 0, descending ? 1 : -1};
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
@@ -301,7 +311,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 tma_load_4d(sK + p * Tr::kPanelKBytes, &args.tma_k, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
                 tma_load_4d(sV + p * Tr::kPanelKBytes, &args.tma_v, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
             }
-            BwdStep step_at{m_block_max - 1, 0};
+            BwdStep step_at = first_step;
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);  // its previous use is done
@@ -322,7 +332,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // under varlen zeroed by clear_rows).
             const float* lse_log2_rows = reinterpret_cast<const float*>(params.lse_log2_ptr);
             const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
-            BwdStep step_at{m_block_max - 1, 0};
+            BwdStep step_at = first_step;
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);
@@ -350,7 +360,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
             // spills when it keeps the sequence's end live.
             int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;  // of the semaphores
-            BwdStep step_at{m_block_max - 1, 0};
+            BwdStep step_at = first_step;
             for (int t = 0; t < steps; ++t) {
                 int const bidh = bidh_kv * qhpk + step_at.head, m_block = step_at.m_block, q0 = m_block * kBlockM;
                 step_at.advance(qhpk);
@@ -359,12 +369,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     // This block's turn at the query block: ascending from the first key block that
                     // sees it (a local window's left edge skips the first ones: key blocks n with
                     // n * kBlockN > q0 + diag - window_left - kBlockN, the m_block_max rule read the
-                    // other way).
+                    // other way), or descending from the last (causal: the block of key
+                    // min(seqlen_k - 1, q0 + kBlockM - 1 + diag + window_right), the m_block_min
+                    // rule read the other way, so with the query block's rows past seqlen_q).
                     semaphore = semaphores + (int64_t(bidb) * params.nheads + bidh) * m_blocks_stride + m_block;
                     int turn = n_block;
                     if constexpr (Tr::kMask == Mask::Local) {
                         int const first_key = q0 + diag - params.window_left;
                         turn -= first_key > 0 ? first_key / kBlockN : 0;
+                    }
+                    if (descending) {
+                        int const last_key = min(seqlen_k - 1, q0 + kBlockM - 1 + diag + params.window_right);
+                        turn = last_key / kBlockN - n_block;
                     }
                     if (lane == 0) semaphore_wait_eq(semaphore, turn);
                     __syncwarp();
@@ -455,7 +471,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         }
     }
 
-    BwdStep step_at{m_block_max - 1, 0};
+    BwdStep step_at = first_step;
     for (int t = 0; t < steps; ++t) {
         int const stage = t % kStages;
         uint32_t const parity = (t / kStages) & 1;
