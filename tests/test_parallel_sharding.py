@@ -295,17 +295,16 @@ def _gloo_worker(rank: int, world_size: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_process_group_ring_over_gloo_matches_full_attention(tmp_path):
+def _run_gloo_workers(tmp_path, worker: str, world_size: int) -> None:
     import pathlib
     import subprocess
     import sys
 
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
-    world_size = 3
     tests_dir = pathlib.Path(__file__).resolve().parent
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_parallel_sharding as t; "
-            "t._gloo_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
+            f"t.{worker}(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
     workers = [subprocess.Popen([sys.executable, "-c", code, str(tests_dir), str(rank), str(world_size),
                                  str(tmp_path / "rendezvous")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                for rank in range(world_size)]
@@ -317,3 +316,47 @@ def test_process_group_ring_over_gloo_matches_full_attention(tmp_path):
                 w.kill()
     for rank, (w, output) in enumerate(zip(workers, outputs)):
         assert w.returncode == 0, f"rank {rank} exited with {w.returncode}:\n{output[-3000:]}"
+
+
+def test_process_group_ring_over_gloo_matches_full_attention(tmp_path):
+    _run_gloo_workers(tmp_path, "_gloo_worker", 3)
+
+
+def _torch_cp_worker(rank: int, world_size: int, init_file: str) -> None:
+    """One rank of PyTorch's private templated ring loop with FlashgenSDPAOps as its local op (here
+    over the PyTorch local attention), on zigzag shards in SDPA's (batch, heads, seqlen, d) layout."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    from flashgen.parallel.torch_cp import FlashgenSDPAOps
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        full = _leaves((2, 4 * world_size, 3, 8), (2, 4 * world_size, 3, 8), (2, 4 * world_size, 3, 8))
+        ref, lse_ref = attention_ref(*full, causal=True)
+        dout = torch.randn_like(ref)
+        grads_ref = torch.autograd.grad(ref, full, dout)
+
+        def sdpa_shard(t, dim=1):  # flashgen layout -> this rank's zigzag shard, heads before rows
+            return parallel.shard(t, world_size, rank, dim=dim).transpose(1, 2)
+
+        ops = FlashgenSDPAOps(LOCAL)
+        q, k, v = (sdpa_shard(t.detach()) for t in full)
+        group = dist.group.WORLD
+        assert cp._cp_options.enable_load_balance  # torch's default: the head-tail (zigzag) chunks
+        out, lse = cp._templated_ring_attention(group, 2, ops.forward, q, k, v, is_causal=True)[:2]
+        tolerance = dict(atol=1e-6, rtol=1e-5)  # torch's loop merges and accumulates in float32
+        torch.testing.assert_close(out, sdpa_shard(ref), **tolerance)
+        torch.testing.assert_close(lse, parallel.shard(lse_ref, world_size, rank, dim=-1), **tolerance)
+        grads = cp._templated_ring_attention_backward(
+            group, 2, ops.backward, grad_out=sdpa_shard(dout), grad_out_name="grad_out", query=q, key=k, value=v,
+            out=out.to(q.dtype), logsumexp=lse, is_causal=True)[:3]
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, sdpa_shard(g_ref), **tolerance)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flashgen_ops_in_torchs_private_ring_loop_over_gloo(tmp_path):
+    _run_gloo_workers(tmp_path, "_torch_cp_worker", 2)
