@@ -20,7 +20,7 @@ import torch
 from . import sharding
 from .comm import ProcessGroupRing, Ring, SimulatedRing
 from .local import FlashgenLocalAttention, LocalAttention, TorchLocalAttention, VarlenArgs
-from .sharding import ALL, FIRST, SECOND
+from .sharding import ALL, FIRST
 
 
 class _Rows(typing.NamedTuple):
