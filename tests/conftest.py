@@ -3,6 +3,7 @@
 Markers:
   gpu     needs a CUDA GPU; skipped when torch.cuda.is_available() is False.
   matrix  NVRTC compile of the whole kernel matrix (minutes); deselect with -m "not matrix".
+  multigpu  NCCL runs over >= 2 GPUs, one process each: scripts/run_multigpu_tests.sh (torchrun).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "matrix: compiles the whole kernel matrix with NVRTC (slow)")
     config.addinivalue_line("markers", "large: 64-bit indexing tests with tensors past 2**31 elements (tens of GB)")
+    config.addinivalue_line("markers", "multigpu: needs >= 2 GPUs, one process each (scripts/run_multigpu_tests.sh)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,6 +33,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
         for item in gpu_items:
             item.add_marker(skip)
+        return
+    if torch.cuda.device_count() < 2:
+        skip = pytest.mark.skip(reason=f"needs >= 2 GPUs ({torch.cuda.device_count()} visible)")
+        for item in gpu_items:
+            if item.get_closest_marker("multigpu"):
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
