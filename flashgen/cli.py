@@ -86,9 +86,10 @@ def cli(verbose: int) -> None:
 @_arch_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def list_command(direction: str | None, arch: list[str] | None, as_json: bool) -> None:
-    """List the kernel matrix: each instance's URI and fields."""
+    """List the kernel matrix: each instance's URI and fields, and cubin_arch: the arch whose cubin
+    of the same instance serves it (lower than its own where the two compile the same)."""
     specs = matrix.all_specs(directions=_directions(direction), archs=arch)
-    rows = [{"uri": s.uri, **s.to_dict()} for s in specs]
+    rows = [_row(s) for s in specs]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -98,7 +99,11 @@ def list_command(direction: str | None, arch: list[str] | None, as_json: bool) -
         click.echo("  ".join(c.ljust(widths[c]) for c in columns).rstrip())
         for r in rows:
             click.echo("  ".join(str(r[c]).ljust(widths[c]) for c in columns).rstrip())
-    click.echo(f"{len(rows)} kernel instances")
+    click.echo(f"{len(rows)} kernel instances, {len(matrix.compile_targets(specs))} cubins")
+
+
+def _row(spec: KernelSpec) -> dict:
+    return {"uri": spec.uri, **spec.to_dict(), "cubin_arch": matrix.compile_target(spec).arch}
 
 
 def _expected_files() -> dict[str, str]:
@@ -109,7 +114,8 @@ def _expected_files() -> dict[str, str]:
     files[render.PARAMS_HEADER] = render.render_params_header()
     files[render.wgmma.HEADER] = render.render_wgmma_header()
     manifest = sorted(
-        ({"uri": s.uri, "file": render.instance_filename(s), **s.to_dict()} for s in specs),
+        ({"uri": s.uri, "file": render.instance_filename(s), **s.to_dict(),
+          "cubin_arch": matrix.compile_target(s).arch} for s in specs),
         key=lambda entry: entry["uri"],
     )
     files[MANIFEST] = json.dumps(manifest, indent=2) + "\n"
@@ -272,12 +278,17 @@ def build_command(
     if arch is None:
         gpu_arch = _gpu_target_arch()
         arch = [gpu_arch] if gpu_arch is not None else list(matrix.ALL_ARCHS)
-    specs = [
+    instances = [
         s for s in matrix.all_specs(directions=_directions(direction), archs=arch)
         if uri_filter is None or uri_filter in s.uri
     ]
-    if not specs:
+    if not instances:
         raise click.UsageError(f"no instance for {', '.join(arch)} matches filter {uri_filter!r}")
+    specs = matrix.compile_targets(instances)  # what is compiled: each cubin once
+    shared = sum(matrix.compile_target(s) != s for s in instances)
+    if shared:
+        click.echo(f"{shared} of the {len(instances)} instances run the cubin of the same instance for a "
+                   f"lower arch (cubin_arch in `flashgen list`): {len(specs)} cubins serve them all")
     shard_text = ""
     if shard is not None:
         selected = len(specs)
@@ -319,8 +330,9 @@ def build_command(
             click.echo(f"no archive written: not every kernel is in the cache {configured}", err=True)
         ctx.exit(1)
     if archive is not None:
+        built = set(specs)
         try:
-            written = cache.export_archive(specs, archive)
+            written = cache.export_archive([s for s in instances if matrix.compile_target(s) in built], archive)
         except (OSError, cache.ArchiveError) as exc:
             raise click.ClickException(f"could not write the archive {archive}: {exc}") from None
         click.echo(f"wrote {archive}: {written} kernels, {archive.stat().st_size / 2**20:.1f} MiB")

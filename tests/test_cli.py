@@ -31,7 +31,9 @@ def run(*args: str, expect: int = 0):
 def test_list():
     output = run("list").output.splitlines()
     assert output[0].split()[0] == "uri"
-    assert output[-1] == f"{len(matrix.all_specs())} kernel instances"
+    specs = matrix.all_specs()
+    assert output[-1] == f"{len(specs)} kernel instances, {len(matrix.compile_targets(specs))} cubins"
+    assert output[0].split()[-1] == "cubin_arch"
     assert len(output) == len(matrix.all_specs()) + 2
 
 
@@ -39,7 +41,7 @@ def test_list_json_filtered():
     rows = json.loads(run("list", "--json", "--direction", "fwd", "--arch", "sm_80,sm_90a").output)
     specs = matrix.all_specs(directions=["fwd"], archs=["sm_80", "sm_90a"])
     assert [row["uri"] for row in rows] == [s.uri for s in specs]
-    assert rows[0] == {"uri": specs[0].uri, **specs[0].to_dict()}
+    assert rows[0] == {"uri": specs[0].uri, **specs[0].to_dict(), "cubin_arch": specs[0].arch}
 
 
 def test_list_rejects_an_unknown_arch():
@@ -55,6 +57,7 @@ def test_emit_then_check(tmp_path):
     manifest = json.loads((out / MANIFEST).read_text())
     assert [m["uri"] for m in manifest] == sorted(s.uri for s in specs)
     assert manifest[0]["file"] == f"{manifest[0]['uri']}.cu"
+    assert [m["cubin_arch"] for m in manifest] == [matrix.compile_target(s).arch for s in sorted(specs, key=lambda s: s.uri)]
     assert "up to date" in run("emit", "--out", str(out), "--check").output
 
     drifted = out / render.instance_filename(specs[0])

@@ -38,6 +38,9 @@ rendered source, headers, options and arch with that pair, and loads the cubin o
 carries that key.  So everything in the key but those two must match (the stored metadata is only a
 hint); the newest NVRTC wins.
 
+An entry is one compile target (matrix.compile_target): an sm_86 instance that compiles the same
+as its sm_80 twin has no entry of its own, the sm_80 entry serves it.
+
 An archive (`flashgen build --archive`, export_archive) carries entries to such a machine: the
 framed cubins and their metadata (what that lookup reads) plus a manifest; `flashgen cache import`
 (import_archive) checks every member and writes the entries with the writers above.
@@ -67,7 +70,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from .. import config
-from . import files, nvrtc, render
+from . import files, matrix, nvrtc, render
 from .spec import KernelSpec
 
 try:
@@ -368,8 +371,9 @@ def _read_entry_file(path: Path) -> bytes:
 
 
 def get_cubin(spec: KernelSpec) -> bytes:
-    """The cubin of ``spec``: from this process's memo, else the disk cache, else compiled (and
-    stored).  Raises nvrtc.CompileError when NVRTC rejects the instance."""
+    """The cubin compiled for ``spec`` itself: from this process's memo, else the disk cache, else
+    compiled (and stored).  The runtime asks for matrix.compile_target(spec), whose cubin serves
+    ``spec``.  Raises nvrtc.CompileError when NVRTC rejects the instance."""
     options = tuple(compile_options())
     cubin = _cubins.get((spec, options))
     if cubin is None:
@@ -664,17 +668,18 @@ def _build_executor(workers: int, headers: Mapping[str, str]) -> ProcessPoolExec
 
 
 def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
-    """Compile ``specs`` into the cache, ``jobs`` processes at a time, yielding a result per spec
-    as it completes (cached entries first).  Failures are results, not exceptions, so one bad
-    instance does not stop the rest.  The templates are read once, here: the workers compile the
-    sources rendered here against these headers."""
+    """Compile the cubins that serve ``specs`` into the cache, each compile target
+    (matrix.compile_target) once, ``jobs`` processes at a time, yielding a result per target as it
+    completes (cached entries first).  Failures are results, not exceptions, so one bad instance
+    does not stop the rest.  The templates are read once, here: the workers compile the sources
+    rendered here against these headers."""
     options = tuple(compile_options())
     headers = render.header_sources()
     root = read_dir()
     version = _nvrtc_version()
     misses = {}
     # Look up in this process first: a warm cache then costs no worker start-up.
-    for spec in specs:
+    for spec in matrix.compile_targets(specs):
         source = render.render_instance(spec)
         if _lookup(spec, source, headers, options, version, root, any_nvrtc=False) is not None:
             yield BuildResult(spec, 0.0, cached=True, cache_dir=root)
@@ -804,8 +809,9 @@ class ImportResult:
 
 
 def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
-    """Write the cache entries of ``specs`` (they must be built) to the archive ``path``, replaced
-    atomically, 0644; returns how many.  The entries are those this process would load (_lookup)."""
+    """Write the cache entries that serve ``specs`` (their compile targets, which must be built) to
+    the archive ``path``, replaced atomically, 0644; returns how many.  The entries are those this
+    process would load (_lookup); each lists the instances of ``specs`` it serves."""
     import gzip
     import io
     import tarfile
@@ -816,7 +822,10 @@ def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
     version = _nvrtc_version()
     members: list[tuple[str, bytes]] = []
     entries = []
-    for spec in sorted(set(specs), key=lambda s: s.uri):
+    served: dict[KernelSpec, list[KernelSpec]] = {}
+    for spec in set(specs):
+        served.setdefault(matrix.compile_target(spec), []).append(spec)
+    for spec in sorted(served, key=lambda s: s.uri):
         found = _find(spec, render.render_instance(spec), headers, options, version, root, any_nvrtc=False)
         if found is None:
             raise ArchiveError(f"kernel {spec.uri} is not in the cache {root}: build it first")
@@ -826,6 +835,7 @@ def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
         members += [(f"{name}.json", metadata), (f"{name}.cubin", framed)]
         entries.append({
             "uri": spec.uri, "key": entry.key, "arch": spec.arch,
+            "serves": sorted(s.uri for s in served[spec]),
             "nvrtc_version": list(entry.nvrtc_version), "cuda_headers_major": entry.cuda_headers_major,
             "sha256": hashlib.sha256(framed).hexdigest(),
             "metadata_sha256": hashlib.sha256(metadata).hexdigest(),
@@ -839,7 +849,8 @@ def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
         "format": ARCHIVE_FORMAT, "schema": ARCHIVE_SCHEMA, "cache_schema": SCHEMA_VERSION,
         "nvrtc_version": uniform("nvrtc_version") if entries else None,
         "cuda_headers_major": uniform("cuda_headers_major") if entries else None,
-        "archs": sorted({e["arch"] for e in entries}), "entries": entries,
+        # The targets the archive serves, which an entry's own arch may be below (compile_target).
+        "archs": sorted({s.arch for instances in served.values() for s in instances}), "entries": entries,
     }
     members.insert(0, (ARCHIVE_MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode()))
 

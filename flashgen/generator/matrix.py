@@ -3,14 +3,20 @@ the tests all read it; nothing else lists instances.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import operator
+import re
 from typing import Iterable, Iterator
 
+from . import render
 from .spec import COMBINE_DTYPES, DTYPES, HEAD_DIMS, MASKS, KernelSpec
 
 # NVRTC targets each family is built for.  A cubin runs on its own major version at the same or a
 # higher minor version, so sm_80 serves 8.0 and 8.7, sm_86 serves 8.6 and 8.9 (99 KB of shared
-# memory, hence smaller tiles for large head dims), and sm_90a serves Hopper.
+# memory, hence smaller tiles for large head dims), and sm_90a serves Hopper.  An sm_86 instance
+# that compiles the same as its sm_80 twin runs the sm_80 cubin (compile_target).
 FAMILY_ARCHS = {
     "sm80": ("sm_80", "sm_86", "sm_90a"),
     "sm90": ("sm_90a",),
@@ -57,6 +63,80 @@ def family_for(arch: str) -> str:
 def families(arch: str) -> tuple[str, ...]:
     """The kernel families built for an NVRTC target."""
     return tuple(family for family, archs in FAMILY_ARCHS.items() if arch in archs)
+
+
+# A comparison of __CUDA_ARCH__ with a number, and the uses of the macro that do not read its value.
+_ARCH_COMPARISON = re.compile(r"\b__CUDA_ARCH__\s*(>=|<=|==|!=|>|<)\s*(\d+)")
+_ARCH_DEFINED = re.compile(r"\bdefined\s*\(?\s*__CUDA_ARCH__\b|#\s*ifn?def\s+__CUDA_ARCH__\b")
+_ARCH_MACRO = re.compile(r"\b__CUDA_ARCH__\b")
+_COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+            ">": operator.gt, "<": operator.lt}
+
+
+def _capability(arch: str) -> int:
+    """86 for sm_86, 90 for sm_90a."""
+    return int("".join(ch for ch in arch[3:] if ch.isdigit()))
+
+
+def _cubin_portable(arch: str) -> bool:
+    """Whether a cubin for ``arch`` runs on the later minor versions of its major.  An
+    arch-specific target (sm_90a) runs on its own compute capability only."""
+    return arch[-1].isdigit()
+
+
+def arch_tests_agree(text: str, arch: str, other: str) -> bool:
+    """Whether the preprocessor takes the same branches through ``text`` for both arches: every
+    comparison of __CUDA_ARCH__ with a number is equally true for both, and the macro is used no
+    other way (any other use counts as a difference)."""
+    comparisons = _ARCH_COMPARISON.findall(text)
+    if len(comparisons) + len(_ARCH_DEFINED.findall(text)) != len(_ARCH_MACRO.findall(text)):
+        return False
+    values = (_capability(arch) * 10, _capability(other) * 10)
+    return all(_COMPARE[op](values[0], int(n)) == _COMPARE[op](values[1], int(n)) for op, n in comparisons)
+
+
+def _source_without_identity(spec: KernelSpec) -> str:
+    """The rendered instance minus the two places that name the instance itself, and with it the
+    arch: its entry point's name and the spec comment."""
+    source = render.render_instance(spec).replace(render.spec_json(spec), "<spec>")
+    return source.replace(spec.kernel_name, "<kernel>")
+
+
+@functools.cache
+def _headers_agree(arch: str, other: str) -> bool:
+    # The CUDA headers NVRTC brings are not read: none of them tells 8.0 from 8.6 apart.
+    return arch_tests_agree("\n".join(render.header_sources().values()), arch, other)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_target(spec: KernelSpec) -> KernelSpec:
+    """The instance whose cubin serves ``spec``: the same instance for the lowest arch of its
+    family and major version that compiles the same program, i.e. renders the same source but for
+    the instance's own name, with no __CUDA_ARCH__ test in source or headers that tells the two
+    apart.  So the sm_80 cubin serves an sm_86 instance whose tile is sm_80's.  Arch-specific
+    targets (sm_90a) neither serve nor are served; ``spec`` itself when no lower arch qualifies or
+    it is not in the matrix.  Decided once per process from the templates it finds."""
+    if spec not in _MATRIX_SET or not _cubin_portable(spec.arch):
+        return spec
+    major = _capability(spec.arch) // 10
+    lower = sorted(
+        (arch for arch in FAMILY_ARCHS[spec.family]
+         if _cubin_portable(arch) and _capability(arch) // 10 == major and _capability(arch) < _capability(spec.arch)),
+        key=_capability,
+    )
+    source = _source_without_identity(spec)
+    for arch in lower:
+        candidate = dataclasses.replace(spec, arch=arch)
+        if (candidate in _MATRIX_SET and _source_without_identity(candidate) == source
+                and arch_tests_agree(source, arch, spec.arch) and _headers_agree(arch, spec.arch)):
+            return candidate
+    return spec
+
+
+def compile_targets(specs: Iterable[KernelSpec]) -> list[KernelSpec]:
+    """The distinct compile targets of ``specs`` (compile_target), in the order first met: what
+    building ``specs`` compiles."""
+    return list(dict.fromkeys(compile_target(spec) for spec in specs))
 
 
 def fwd_specs(archs: Iterable[str] | None = None) -> Iterator[KernelSpec]:

@@ -38,11 +38,16 @@ def instance_filename(spec: KernelSpec) -> str:
     return f"{spec.uri}.cu"
 
 
+def spec_json(spec: KernelSpec) -> str:
+    """The spec as the instance's header comment records it."""
+    return json.dumps(spec.to_dict(), sort_keys=True)
+
+
 def render_instance(spec: KernelSpec) -> str:
     """The short .cu translation unit of one instance: constants, includes, one entry point."""
     common = dict(
         do_not_edit=DO_NOT_EDIT,
-        spec_json=json.dumps(spec.to_dict(), sort_keys=True),
+        spec_json=spec_json(spec),
         kernel_name=spec.kernel_name,
     )
     if spec.direction in ROW_DIRECTIONS:

@@ -10,6 +10,7 @@ import ctypes
 import threading
 from typing import Callable
 
+from ..generator import matrix
 from ..generator.spec import KernelSpec
 
 _driver = None
@@ -240,15 +241,18 @@ _load_lock = threading.Lock()
 
 def get_kernel(spec: KernelSpec, smem_bytes: int, num_threads: int,
                get_cubin: Callable[[KernelSpec], bytes] | None = None) -> LoadedKernel:
-    """The loaded kernel for a spec: compiled (or read from the disk cache) and loaded once."""
+    """The loaded kernel for a spec: the cubin of its compile target (matrix.compile_target: on
+    an sm_86 device, the sm_80 cubin where the instance compiles the same), compiled or read from
+    the disk cache and loaded once."""
     kernel = _loaded.get(spec)
     if kernel is not None:
         return kernel
+    target = matrix.compile_target(spec)
     with _load_lock:
-        kernel = _loaded.get(spec)
+        kernel = _loaded.get(spec) or _loaded.get(target)
         if kernel is None:
             if get_cubin is None:
                 from ..generator.cache import get_cubin
-            kernel = LoadedKernel(spec, get_cubin(spec), smem_bytes, num_threads)
-            _loaded[spec] = kernel
+            kernel = LoadedKernel(target, get_cubin(target), smem_bytes, num_threads)
+        _loaded[spec] = _loaded[target] = kernel
     return kernel
