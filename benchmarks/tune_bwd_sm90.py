@@ -66,6 +66,12 @@ def main() -> None:
         head_dim, seqlen, causal = shape
         label = f"d{head_dim} s{seqlen}{' causal' if causal else ''}"
         print(f"{label:<18}" + "".join(f"{statistics.median(results[(v, shape)]):>34.1f}" for v in args.variants))
+    base = args.variants[0]
+    for variant in args.variants[1:]:
+        ratios = [statistics.median(results[(variant, shape)]) / statistics.median(results[(base, shape)])
+                  for shape in inputs]
+        print(f"{variant} / {base}: geomean {statistics.geometric_mean(ratios):.3f}, "
+              f"min {min(ratios):.3f}, max {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -279,8 +279,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 #ifndef FLASHGEN_BWD_SM90_DV_BEFORE_DP
 #define FLASHGEN_BWD_SM90_DV_BEFORE_DP 0
 #endif
-    // dV issued from Pᵀ before dPᵀ is done (then Pᵀ in fp32 and its fragments are live at once).
-    constexpr bool kDVBeforeDP = kPBeforeDP && FLASHGEN_BWD_SM90_DV_BEFORE_DP;
+    // dV issued from Pᵀ before dPᵀ is done (then Pᵀ in fp32, its fragments and dPᵀ are live at once:
+    // only 64-query steps have the registers, at 128 the compiler serializes the wgmma).
+    constexpr bool kDVBeforeDP = kPBeforeDP && FLASHGEN_BWD_SM90_DV_BEFORE_DP && kBlockM == 64;
     BwdParams const& params = args.p;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -651,6 +651,13 @@ torch.save({"passes": batch, "alone": alone, "uris": uris}, sys.argv[2])
     # More CTAs than SMs: the ordering must not wait on blocks that are not resident yet.
     pytest.param(128, 4, 2047, 2047, 16, 4, {"causal": True}, None, id="d128-gqa4-causal-many-ctas"),
     pytest.param(64, 2, 4095, 4095, 16, 16, {}, None, id="d64-none-many-ctas"),
+    # MHA causal: descending turns, the grid reversed (more CTAs than SMs, and query rows past the
+    # keys' diagonal in a partial last query block).
+    pytest.param(64, 4, 2047, 2047, 16, 16, {"causal": True}, None, id="d64-mha-causal-many-ctas"),
+    pytest.param(128, 2, 1023, 300, 4, 4, {"causal": True}, None, id="d128-mha-causal-sq1023-sk300"),
+    pytest.param(128, 2, 300, 1023, 4, 4, {"causal": True}, None, id="d128-mha-causal-sq300-sk1023"),
+    pytest.param(128, 0, 0, 0, 4, 4, {"causal": True}, ([300, 1, 700, 129], [500, 77, 700, 1]),
+                 id="varlen-mha-causal"),
     pytest.param(128, 0, 0, 0, 4, 2, {"causal": True}, ([300, 1, 700, 129], [500, 77, 700, 1]), id="varlen-causal"),
     pytest.param(64, 0, 0, 0, 4, 4, {}, ([255, 1023, 64], [1023, 300, 2]), id="varlen-none"),
 ])
