@@ -217,43 +217,6 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2
     }
 }
 
-// The same in two passes, for instances without softcap or dropout (whose dSᵀ needs more of the
-// score than Pᵀ): Pᵀ in place of Sᵀ while dPᵀ is still in the tensor cores, then dSᵀ = Pᵀ ∘ (dPᵀ - D)
-// in place of dPᵀ (masked Pᵀ is 0, so is their dSᵀ: dPᵀ is finite).
-template <typename Tr, bool kNeedMask, bool kAlibi>
-__device__ __forceinline__ void softmax_p_sm90(float (&s)[Tr::kBlockM / 2], const Sm90BwdStep& a,
-                                               const BwdParams& params) {
-    int const lane = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < Tr::kBlockM / 8; ++i) {
-        float2 const lse2 = ld_shared_f32x2(a.lse + (i * 8 + 2 * (lane % 4)) * 4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            int const key = a.key + 8 * (e / 2);
-            int const query = a.query + i * 8 + (e % 2);
-            float score = s[i * 4 + e];
-            if constexpr (kAlibi) score = alibi_score(score, a.slope, float(query + a.diag - key));
-            float p = exp2_approx(score * params.scale_log2 - (e % 2 ? lse2.y : lse2.x));
-            if constexpr (kNeedMask) {
-                p = key_hidden<Tr::kMask>(key, query + a.diag, a.seqlen_k, params.window_left, params.window_right) ? 0.f : p;
-            }
-            s[i * 4 + e] = p;
-        }
-    }
-}
-
-template <typename Tr>
-__device__ __forceinline__ void softmax_ds_sm90(const float (&p)[Tr::kBlockM / 2], float (&dp)[Tr::kBlockM / 2],
-                                                const Sm90BwdStep& a) {
-    int const lane = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < Tr::kBlockM / 8; ++i) {
-        float2 const dsum2 = ld_shared_f32x2(a.dsum + (i * 8 + 2 * (lane % 4)) * 4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[i * 4 + e] = p[i * 4 + e] * (dp[i * 4 + e] - (e % 2 ? dsum2.y : dsum2.x));
-    }
-}
-
 // Accumulator (64 rows x 16 k of S-like layout) -> the m64k16 A fragments of the next wgmma: the
 // k16 slice kk is n8 tiles 2 kk and 2 kk + 1.
 template <typename Element, int kRegs>
@@ -270,18 +233,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     using T = typename Tr::T;
     constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
     constexpr bool kMasked = Tr::kMask != Mask::None;
-#ifndef FLASHGEN_BWD_SM90_P_BEFORE_DP
-#define FLASHGEN_BWD_SM90_P_BEFORE_DP 1
-#endif
-    // Pᵀ computed while dPᵀ is in the tensor cores (the exponentials overlap an MMA), unless
-    // softcap or dropout need the fused pass.
-    constexpr bool kPBeforeDP = FLASHGEN_BWD_SM90_P_BEFORE_DP && !Tr::kSoftcap && !Tr::kDropout;
-#ifndef FLASHGEN_BWD_SM90_DV_BEFORE_DP
-#define FLASHGEN_BWD_SM90_DV_BEFORE_DP 0
-#endif
-    // dV issued from Pᵀ before dPᵀ is done (then Pᵀ in fp32, its fragments and dPᵀ are live at once:
-    // only 64-query steps have the registers, at 128 the compiler serializes the wgmma).
-    constexpr bool kDVBeforeDP = kPBeforeDP && FLASHGEN_BWD_SM90_DV_BEFORE_DP && kBlockM == 64;
     BwdParams const& params = args.p;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -303,7 +254,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
     // Deterministic dQ in descending turns runs the grid backwards (see the step order).
-    bool const descending = params.dq_turns_descending != 0;
+    bool const descending = Tr::kMask == Mask::Causal && params.dq_turns_descending != 0;  // the plan: causal only
     int const n_block = descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
     // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.
@@ -460,15 +411,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
                 __syncwarp();
             }
-#ifndef FLASHGEN_BWD_SM90_EXIT_WAIT_READ
-#define FLASHGEN_BWD_SM90_EXIT_WAIT_READ 1
-#endif
             // The tile must outlive the reductions' reads of it; their writes to the dQ buffer
-            // complete before the kernel does.
-            if (lane == 0) {
-                if (FLASHGEN_BWD_SM90_EXIT_WAIT_READ) bulk_wait_read();
-                else bulk_wait_all();
-            }
+            // complete before the kernel does (FLASHGEN_BWD_SM90_EXIT_WAIT_ALL=1: wait for them, for
+            // the A/B).
+#if defined(FLASHGEN_BWD_SM90_EXIT_WAIT_ALL) && FLASHGEN_BWD_SM90_EXIT_WAIT_ALL
+            if (lane == 0) bulk_wait_all();
+#else
+            if (lane == 0) bulk_wait_read();
+#endif
         }
         return;
     }
@@ -556,7 +506,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             wgmma_ss<Element, kBlockM, 0>(s, smem_desc_moved(desc_k, k_offset_bytes),
                                           smem_desc_moved(desc_q, q_offset_bytes), k > 0);
         }
-        wgmma_commit();  // Sᵀ
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
             uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
@@ -564,7 +513,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             wgmma_ss<Element, kBlockM, 0>(dp, smem_desc_moved(desc_v, k_offset_bytes),
                                           smem_desc_moved(desc_do, q_offset_bytes), k > 0);
         }
-        wgmma_commit();  // dPᵀ
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+        fence_registers(dp);
 
         // Pᵀ and dSᵀ, instantiated per (mask needed, ALiBi): a block without either issues none of
         // their instructions. The mask: keys past seqlen_k, or a window edge crossing this
@@ -576,6 +528,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag, seqlen_k,
                                slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f,
                                uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + consumer * 64) / 64};
+        if (need_mask) {
+            if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
+            else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
+        } else {
+            if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
+            else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
+        }
         uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
         // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
         // head-dim columns its N (MN-major, panels kPanelQBytes apart).
@@ -584,40 +543,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             for (int kk = 0; kk < kBlockM / 16; ++kk)
                 wgmma_rs<Element, kHeadDim, 1>(acc_dv, p_frag[kk], smem_desc_moved(desc_do_mn, kk * 16 * 128), 1);
         };
-        if constexpr (kPBeforeDP) {
-            wgmma_wait<1>();  // Sᵀ done, dPᵀ in flight
-            fence_registers(s);
-            if (need_mask) {
-                if (slopes != nullptr) softmax_p_sm90<Tr, true, true>(s, step, params);
-                else softmax_p_sm90<Tr, true, false>(s, step, params);
-            } else {
-                if (slopes != nullptr) softmax_p_sm90<Tr, false, true>(s, step, params);
-                else softmax_p_sm90<Tr, false, false>(s, step, params);
-            }
-            if constexpr (kDVBeforeDP) {
-                pack_fragments<Element>(s, p_frag);
-                fence_registers(acc_dv);
-                wgmma_fence();
-                issue_dv();
-                wgmma_commit();
-                wgmma_wait<1>();  // dPᵀ done, dV in flight
-            } else {
-                wgmma_wait<0>();
-            }
-            fence_registers(dp);
-            softmax_ds_sm90<Tr>(s, dp, step);
-        } else {
-            wgmma_wait<0>();
-            fence_registers(s);
-            fence_registers(dp);
-            if (need_mask) {
-                if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
-                else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
-            } else {
-                if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
-                else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
-            }
-        }
         auto issue_dk = [&]() {
 #pragma unroll
             for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -670,13 +595,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 
         // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
         // before dK, so that dQ's tile store overlaps dK.
-        if constexpr (!kDVBeforeDP) {
-            pack_fragments<Element>(s, p_frag);
-            fence_registers(acc_dv);
-            wgmma_fence();
-            issue_dv();
-            wgmma_commit();
-        }
+        pack_fragments<Element>(s, p_frag);
+        fence_registers(acc_dv);
+        wgmma_fence();
+        issue_dv();
+        wgmma_commit();
         pack_fragments<Element>(dp, ds_frag);
         store_ds();
         named_barrier_sync(1, Tr::kConsumerThreads);
@@ -687,19 +610,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         issue_dk();
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ done
-        keep_fragments(p_frag);
         fence_registers(acc_dq);
         store_dq();
         wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
         fence_registers(acc_dv);
         fence_registers(acc_dk);
+        keep_fragments(p_frag);
         keep_fragments(ds_frag);
         mbar_arrive(empty(stage));
     }
 
     // ---- dK (scaled) and dV of this consumer's keys.
-#if defined(FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE)
-    if (FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE) return;  // a measurement variant (tune_bwd_sm90.py): wrong dK, dV
+#if defined(FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE) && FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE
+    // A measurement variant (tune_bwd_sm90.py; wrong dK, dV): no stores, behind a condition the
+    // compiler cannot decide, so that dK and dV stay live (an unconditional return lets ptxas drop
+    // their MMAs).
+    if (params.head_dim > 0) return;
 #endif
     T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride + k_offset * params.dk_row_stride +
                  bidh_kv * params.dk_head_stride;
