@@ -1,6 +1,6 @@
 """A/B of sm90 backward variants compiled with NVRTC defines, in one process, rounds in turn.
 
-    python benchmarks/tune_bwd_sm90.py --variants default FLASHGEN_BWD_SM90_DV_FIRST=0 \
+    python benchmarks/tune_bwd_sm90.py --variants default FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE=1 \
         [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic]
 
 A variant is "default" or NAME=VALUE defines joined by "+"; they go to FLASHGEN_NVRTC_EXTRA_OPTIONS

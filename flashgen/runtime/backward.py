@@ -27,9 +27,9 @@ class BwdPlan:
     window_left: int
     window_right: int
     # Deterministic sm90 dQ order (bwd_sm90.cuh): key blocks add to a query block last first when
-    # every query head has its own KV head under a causal mask, first first otherwise. Measured
-    # (benchmarks/results/20261202-nvidia-h200-sm90-bwd-rows-order): MHA causal gains with the
-    # former, GQA and the unmasked with the latter.
+    # every query head has its own KV head under a causal mask, first first otherwise (MHA causal
+    # gains with the former, GQA causal with the latter: benchmarks/results/
+    # 20261202-nvidia-h200-sm90-bwd-rows-order and 20261201-nvidia-h200-sm90-bwd-det).
     dq_turns_descending: bool = False
 
     @property

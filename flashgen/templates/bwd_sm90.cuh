@@ -412,13 +412,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 __syncwarp();
             }
             // The tile must outlive the reductions' reads of it; their writes to the dQ buffer
-            // complete before the kernel does (FLASHGEN_BWD_SM90_EXIT_WAIT_ALL=1: wait for them, for
-            // the A/B).
-#if defined(FLASHGEN_BWD_SM90_EXIT_WAIT_ALL) && FLASHGEN_BWD_SM90_EXIT_WAIT_ALL
-            if (lane == 0) bulk_wait_all();
-#else
+            // complete before the kernel does.
             if (lane == 0) bulk_wait_read();
-#endif
         }
         return;
     }

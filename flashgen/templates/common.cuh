@@ -128,7 +128,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 // Bulk reduction (sm_90): the `bytes` (a multiple of 16) of fp32 values at shared address src added
 // element-wise to global memory at dst (16-byte aligned), by the copy engine. Committed as a bulk
 // group per thread; the thread then waits until its groups have read shared memory
-// (bulk_wait_read) or, before the CTA exits, have completed (bulk_wait_all).
+// (bulk_wait_read: the source may be reused, or the CTA exit) or have completed (bulk_wait_all:
+// their writes are visible, e.g. before a semaphore tells another CTA so).
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
