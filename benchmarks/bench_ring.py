@@ -18,22 +18,13 @@ import torch
 import torch.distributed as dist
 import flashgen
 import flashgen.parallel as parallel
+from flashgen.bench.timing import cuda_event_median_ms
 
 
-def time_ms(fn, warmup: int = 2, iters: int = 5) -> float:
+def time_ms(fn) -> float:
     """Median milliseconds of fn over a fixed number of runs: every rank must make the same number of
     ring calls (an adaptive count such as triton's do_bench could differ between ranks and hang)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return cuda_event_median_ms(fn, warmup=2, runs=5)
 
 
 def local_share(q, k, v, world_size, backward):
