@@ -47,7 +47,8 @@ def plan_bwd(
     """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
     caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused);
     on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
-    forces sm80."""
+    forces sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
+    deterministic dQ order."""
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
     dtype = _DTYPE_NAMES.get(dtype, dtype)
