@@ -392,23 +392,6 @@ def get_cubin(spec: KernelSpec) -> bytes:
     return cubin
 
 
-def _lookup(
-    spec: KernelSpec,
-    source: str,
-    headers: Mapping[str, str],
-    options: Sequence[str],
-    version: tuple[int, int] | None,
-    root: Path,
-    any_nvrtc: bool,
-) -> bytes | None:
-    """The cubin of ``spec`` under ``root`` built by NVRTC ``version`` with this process's CUDA
-    headers.  When that one is missing and ``any_nvrtc`` is set, or this process could not compile
-    it (NVRTC not loadable: ``version`` None; no CUDA headers of known version): the one built by the newest NVRTC
-    whose entry matches every other key field (see the module docstring)."""
-    found = _find(spec, source, headers, options, version, root, any_nvrtc)
-    return None if found is None else found[1]
-
-
 def _find(
     spec: KernelSpec,
     source: str,
@@ -418,7 +401,10 @@ def _find(
     root: Path,
     any_nvrtc: bool,
 ) -> tuple[_Entry, bytes] | None:
-    """_lookup's (entry, cubin)."""
+    """The (entry, cubin) of ``spec`` under ``root`` built by NVRTC ``version`` with this process's
+    CUDA headers.  When that one is missing and ``any_nvrtc`` is set, or this process could not
+    compile it (NVRTC not loadable: ``version`` None; no CUDA headers of known version): the one
+    built by the newest NVRTC whose entry matches every other key field (see the module docstring)."""
     local = None
     if version is not None:
         entry = _local_entry(spec, source, headers, options, version, root)
@@ -474,9 +460,9 @@ def _load_or_compile(
     if source is None:
         source = render.render_instance(spec)
     version = _nvrtc_version()
-    cubin = _lookup(spec, source, headers, options, version, root, any_nvrtc=not compile_on_miss)
-    if cubin is not None:
-        return cubin, None, root
+    found = _find(spec, source, headers, options, version, root, any_nvrtc=not compile_on_miss)
+    if found is not None:
+        return found[1], None, root
     if not compile_on_miss:
         raise JitDisabledError(spec, root)
     if version is None:
@@ -681,7 +667,7 @@ def build(specs: Iterable[KernelSpec], jobs: int) -> Iterator[BuildResult]:
     # Look up in this process first: a warm cache then costs no worker start-up.
     for spec in matrix.compile_targets(specs):
         source = render.render_instance(spec)
-        if _lookup(spec, source, headers, options, version, root, any_nvrtc=False) is not None:
+        if _find(spec, source, headers, options, version, root, any_nvrtc=False) is not None:
             yield BuildResult(spec, 0.0, cached=True, cache_dir=root)
         else:
             misses[spec] = source
@@ -811,7 +797,7 @@ class ImportResult:
 def export_archive(specs: Iterable[KernelSpec], path: Path) -> int:
     """Write the cache entries that serve ``specs`` (their compile targets, which must be built) to
     the archive ``path``, replaced atomically, 0644; returns how many.  The entries are those this
-    process would load (_lookup); each lists the instances of ``specs`` it serves."""
+    process would load (_find); each lists the instances of ``specs`` it serves."""
     import gzip
     import io
     import tarfile
