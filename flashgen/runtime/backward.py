@@ -95,7 +95,7 @@ def flash_bwd(
     loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
     (total, heads, d), lse is (nheads, total_q).
     """
-    from .interface import NO_DROPOUT_PARAMS, _aligned, _launch, _ptr, _rows3  # shared with the forward
+    from .interface import NO_DROPOUT_PARAMS, _aligned, _launch, _ptr, _rows3, _whole_chunks  # shared with the forward
 
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
@@ -112,9 +112,13 @@ def flash_bwd(
         dk.zero_()
         dv.zero_()
         return
+    # The main kernels store dK and dV rows in 16-byte chunks: a caller's dk or dv off them gets a
+    # dense buffer, copied back at the end.
+    dk_out = dk if _whole_chunks(dk) else torch.empty_like(dk, memory_format=torch.contiguous_format)
+    dv_out = dv if _whole_chunks(dv) else torch.empty_like(dv, memory_format=torch.contiguous_format)
     if varlen:  # rows outside every sequence (or past seqused_k) get no gradient from the kernel
-        dk.zero_()
-        dv.zero_()
+        dk_out.zero_()
+        dv_out.zero_()
     index = device_index(q)
     info = device_info(index)
     q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
@@ -154,7 +158,7 @@ def flash_bwd(
     values = dict(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
         lse_log2_ptr=lse_log2.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
-        dk_ptr=dk.data_ptr(), dv_ptr=dv.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes),
+        dk_ptr=dk_out.data_ptr(), dv_ptr=dv_out.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes),
         semaphore_ptr=_ptr(semaphores), cu_seqlens_q_ptr=_ptr(cu_seqlens_q), cu_seqlens_k_ptr=_ptr(cu_seqlens_k),
         seqused_q_ptr=_ptr(seqused_q), seqused_k_ptr=_ptr(seqused_k),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
@@ -170,7 +174,7 @@ def flash_bwd(
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
         dq_turns_descending=int(plan.dq_turns_descending),
     )
-    for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk_out), ("dv", dv_out)):
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
     threads = ROW_KERNEL_WARPS * 32
     _launch(pre, 0, threads, row_grid, row_params, index)
@@ -180,3 +184,7 @@ def flash_bwd(
         packed = tma.sm90_bwd_params(q, k, v, dout, dq_accum, plan.tile.block_m, plan.tile.block_n, packed)
     _launch(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     _launch(post, 0, threads, row_grid, row_params, index)
+    if dk_out is not dk:
+        dk.copy_(dk_out)
+    if dv_out is not dv:
+        dv.copy_(dv_out)

@@ -16,17 +16,23 @@ from .dispatch import FwdPlan, plan_fwd
 from .launch import get_kernel
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """Kernels copy 16-byte row chunks: a contiguous last dim, a 16-byte aligned base and strides
-    of whole 8-element chunks. Inputs are validated to have a contiguous last dim; dout arrives in
-    whatever layout autograd made (expanded from a sum, interleaved from a stack, ...)."""
+def _whole_chunks(t: torch.Tensor) -> bool:
+    """Whether kernels can move t's rows in 16-byte chunks: a contiguous last dim, a 16-byte
+    aligned base and strides of whole 8-element chunks."""
     strides = t.stride()  # (on every call: one tuple, no generator)
     if strides[-1] != 1 or t.data_ptr() % 16:
-        return t.contiguous()
+        return False
     for stride in strides[:-1]:
         if stride % 8:
-            return t.contiguous()
-    return t
+            return False
+    return True
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy in whole 16-byte chunks (_whole_chunks). Inputs are validated to have a
+    contiguous last dim; dout arrives in whatever layout autograd made (expanded from a sum,
+    interleaved from a stack, ...)."""
+    return t if _whole_chunks(t) else t.contiguous()
 
 
 # The kernels move rows in whole 16-byte chunks (8 fp16/bf16 elements). As in flash_attn 2, a call

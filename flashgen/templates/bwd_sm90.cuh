@@ -17,7 +17,8 @@
 //       dSᵀ -> shared memory (one of two buffers), then with both consumers' halves there
 //       dQ = dS·K for its share of the step's dQ (dS MN-major from shared memory, K MN-major),
 //       stored to a shared fp32 tile that a thread of the producer warpgroup adds to the fp32 dQ
-//       buffer by TMA reductions.
+//       buffer by TMA reductions;
+//     at the end, dK (scaled) and dV through K's and V's tiles (stmatrix) to global in whole rows.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
 // the dSᵀ tile is [key][query] in panels of 64 queries with the same swizzle, written by the
 // consumers. Rows past a tensor's end are zero-filled by the TMA, rows past a varlen sequence's
@@ -53,7 +54,34 @@
 #include "sm90_common.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
 
+#if defined(FLASHGEN_BWD_SM90_MEASURE_TIMELINE) && FLASHGEN_BWD_SM90_MEASURE_TIMELINE
+// A measurement variant (benchmarks/bwd_cta_timeline.py reads it back): global-timer stamps of
+// each CTA's phases, 8 slots per CTA (by linear block index).
+#define FLASHGEN_BWD_TIMELINE_CTAS 65536
+extern "C" {
+__device__ unsigned long long flashgen_bwd_timeline[FLASHGEN_BWD_TIMELINE_CTAS * 8];
+}
+#endif
+
 namespace flashgen {
+
+// Phases a timeline variant stamps (slot 7 holds the SM and the CTA's steps).
+enum BwdTimelineEvent { kCtaStart, kKVLanded, kFirstStageReady, kFirstStepDone, kLoopDone, kStored, kDQDrained };
+
+__device__ __forceinline__ void bwd_timeline_stamp(int event, int steps = 0) {
+#if defined(FLASHGEN_BWD_SM90_MEASURE_TIMELINE) && FLASHGEN_BWD_SM90_MEASURE_TIMELINE
+    uint32_t const cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta >= FLASHGEN_BWD_TIMELINE_CTAS) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    flashgen_bwd_timeline[cta * 8 + event] = now;
+    if (event == kCtaStart) {
+        uint32_t sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        flashgen_bwd_timeline[cta * 8 + 7] = (uint64_t(steps) << 32) | sm;
+    }
+#endif
+}
 
 // The sm90 backward's one parameter: five tensor maps (Q, K, V, dO as (d, rows, heads, batch); the
 // fp32 dQ buffer the same way, in boxes of 32 columns) and the BwdParams the sm80 backward takes.
@@ -135,10 +163,11 @@ __device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
 }
 
 // A key block's step: its query block and query head of the group (flash_bwd_sm90's step order:
-// the heads fastest, query blocks by m_step, -1 from the last or +1 from the first).
+// the heads fastest, query blocks by m_step, -1 from the last or +1 from the first). The direction
+// is an argument, not a member: held in the loop it costs each role a register and spills.
 struct BwdStep {
-    int m_block, head, m_step;
-    __device__ __forceinline__ void advance(int qhpk) {
+    int m_block, head;
+    __device__ __forceinline__ void advance(int qhpk, int m_step) {
         if (++head == qhpk) {
             head = 0;
             m_block += m_step;
@@ -285,9 +314,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     // In descending turns (causal only) they go from the first up: a key block reaches a query
     // block no later than the blocks before it, which add to it after it.
     int const steps = qhpk * max(m_block_max - m_block_min, 0);
-    BwdStep const first_step{descending ? m_block_min : m_block_max - 1, 0, descending ? 1 : -1};
+    // Built in each role, after its register reallocation: one value live across the split spills.
+    auto first_step = [&]() { return BwdStep{descending ? m_block_min : m_block_max - 1, 0}; };
+    int const m_step = descending ? 1 : -1;
 
     if (tid == 0) {
+        bwd_timeline_stamp(kCtaStart, steps);
         mbar_init(bar_kv, 1);
         mbar_init(dq_full, Tr::kConsumerThreads);
         mbar_init(dq_empty, 1);  // the dQ thread, once its reductions have read the tile
@@ -311,12 +343,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 tma_load_4d(sK + p * Tr::kPanelKBytes, &args.tma_k, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
                 tma_load_4d(sV + p * Tr::kPanelKBytes, &args.tma_v, bar_kv, p * 64, k_offset + key0, bidh_kv, k_batch);
             }
-            BwdStep step_at = first_step;
+            BwdStep step_at = first_step();
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);  // its previous use is done
                 int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
-                step_at.advance(qhpk);
+                step_at.advance(qhpk, m_step);
                 mbar_arrive_expect_tx(full(stage), 2 * Tr::kQBytes);
 #pragma unroll
                 for (int p = 0; p < Tr::kPanels; ++p) {
@@ -332,12 +364,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // under varlen zeroed by clear_rows).
             const float* lse_log2_rows = reinterpret_cast<const float*>(params.lse_log2_ptr);
             const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
-            BwdStep step_at = first_step;
+            BwdStep step_at = first_step();
             for (int t = 0; t < steps; ++t) {
                 int const stage = t % kStages;
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);
                 int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
-                step_at.advance(qhpk);
+                step_at.advance(qhpk, m_step);
                 int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
 #pragma unroll
                 for (int r = lane; r < kBlockM; r += 32) {
@@ -360,10 +392,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
             // spills when it keeps the sequence's end live.
             int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;  // of the semaphores
-            BwdStep step_at = first_step;
+            BwdStep step_at = first_step();
             for (int t = 0; t < steps; ++t) {
                 int const bidh = bidh_kv * qhpk + step_at.head, m_block = step_at.m_block, q0 = m_block * kBlockM;
-                step_at.advance(qhpk);
+                step_at.advance(qhpk, m_step);
                 int* semaphore = nullptr;
                 if (semaphores != nullptr) {
                     // This block's turn at the query block: ascending from the first key block that
@@ -413,7 +445,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             }
             // The tile must outlive the reductions' reads of it; their writes to the dQ buffer
             // complete before the kernel does.
-            if (lane == 0) bulk_wait_read();
+            if (lane == 0) {
+                bulk_wait_read();
+                bwd_timeline_stamp(kDQDrained);
+            }
         }
         return;
     }
@@ -464,8 +499,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         fence_proxy_async();
         named_barrier_sync(2, Tr::kConsumerThreads);
     };
+    bool const stamps = tid == Tr::kNThreads - Tr::kConsumerThreads;  // the first consumer thread
     if (steps > 0) {
         mbar_wait(bar_kv, 0);
+        if (stamps) bwd_timeline_stamp(kKVLanded);
         if (varlen_k && key0 + kBlockN > seqlen_k) {
             clear_rows(sK, kBlockN, seqlen_k - key0, Tr::kPanelKBytes);
             clear_rows(sV, kBlockN, seqlen_k - key0, Tr::kPanelKBytes);
@@ -473,14 +510,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         }
     }
 
-    BwdStep step_at = first_step;
+    BwdStep step_at = first_step();
     for (int t = 0; t < steps; ++t) {
         int const stage = t % kStages;
         uint32_t const parity = (t / kStages) & 1;
         int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
-        step_at.advance(qhpk);
+        step_at.advance(qhpk, m_step);
         float s[kSRegs], dp[kSRegs];
         mbar_wait(full(stage), parity);
+        if (stamps && t == 0) bwd_timeline_stamp(kFirstStageReady);
         if (varlen_q && q0 + kBlockM > seqlen_q) {
             clear_rows(sQ(stage), kBlockM, seqlen_q - q0, Tr::kPanelQBytes);
             clear_rows(sdO(stage), kBlockM, seqlen_q - q0, Tr::kPanelQBytes);
@@ -613,35 +651,54 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         keep_fragments(p_frag);
         keep_fragments(ds_frag);
         mbar_arrive(empty(stage));
+        if (stamps && t == 0) bwd_timeline_stamp(kFirstStepDone);
     }
+    if (stamps) bwd_timeline_stamp(kLoopDone);
 
-    // ---- dK (scaled) and dV of this consumer's keys.
+    // ---- dK (scaled) and dV of this consumer's keys, through shared memory in whole rows: the
+    // accumulators into K's and V's tiles by stmatrix (free once both consumers' last MMAs have read
+    // them; dQ reads the other consumer's K rows), then the rows out in 16-byte chunks, a row's on
+    // consecutive lanes (flash_bwd gives the kernel dk and dv in whole chunks). Stores straight from
+    // the accumulators (8 rows of 16 bytes a warp store) took about as long as three steps.
 #if defined(FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE) && FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE
     // A measurement variant (tune_bwd_sm90.py; wrong dK, dV): no stores, behind a condition the
     // compiler cannot decide, so that dK and dV stay live (an unconditional return lets ptxas drop
     // their MMAs).
     if (params.head_dim > 0) return;
 #endif
+    named_barrier_sync(1, Tr::kConsumerThreads);
+    int const matrix = lane / 8;  // stmatrix: n8 tiles 2 j + matrix / 2, rows + 8 (matrix % 2)
+    int const stage_row = consumer * 64 + (warp % 4) * 16 + (matrix % 2) * 8 + lane % 8;
+    auto stage = [&](uint32_t tile, const float (&acc)[kDKRegs], float scale) {
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 16; ++j) {
+            int const chunk = 2 * j + matrix / 2;  // 8 columns
+            stmatrix_x4(tile + (chunk / 8) * Tr::kPanelKBytes + stage_row * 128 + (((chunk % 8) ^ (stage_row % 8)) * 16),
+                        Element::pack2(acc[8 * j] * scale, acc[8 * j + 1] * scale),
+                        Element::pack2(acc[8 * j + 2] * scale, acc[8 * j + 3] * scale),
+                        Element::pack2(acc[8 * j + 4] * scale, acc[8 * j + 5] * scale),
+                        Element::pack2(acc[8 * j + 6] * scale, acc[8 * j + 7] * scale));
+        }
+    };
+    stage(sK, acc_dk, params.softmax_scale);
+    stage(sV, acc_dv, 1.f);
+    named_barrier_sync(1, Tr::kConsumerThreads);  // the rows are in place
     T* dk_base = reinterpret_cast<T*>(params.dk_ptr) + bidb * params.dk_batch_stride + k_offset * params.dk_row_stride +
                  bidh_kv * params.dk_head_stride;
     T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + k_offset * params.dv_row_stride +
                  bidh_kv * params.dv_head_stride;
+    constexpr int kChunks = kHeadDim / 8;  // of a row
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        int const key = key0 + key_in_block + 8 * half;
-        if (key < seqlen_k) {
-#pragma unroll
-            for (int i = 0; i < kHeadDim / 8; ++i) {
-                int const col = i * 8 + 2 * (lane % 4);
-                if (col >= params.head_dim) continue;  // a call narrower than the instance (the TMA's zero columns)
-                *reinterpret_cast<uint32_t*>(dk_base + key * params.dk_row_stride + col) =
-                    Element::pack2(acc_dk[i * 4 + 2 * half] * params.softmax_scale,
-                                   acc_dk[i * 4 + 2 * half + 1] * params.softmax_scale);
-                *reinterpret_cast<uint32_t*>(dv_base + key * params.dv_row_stride + col) =
-                    Element::pack2(acc_dv[i * 4 + 2 * half], acc_dv[i * 4 + 2 * half + 1]);
-            }
+    for (int c = tid % 128; c < 64 * kChunks; c += 128) {
+        int const row = consumer * 64 + c / kChunks, chunk = c % kChunks, key = key0 + row;
+        // Columns past a call narrower than the instance are the TMA's zeros: not stored.
+        if (key < seqlen_k && chunk * 8 < params.head_dim) {
+            uint32_t const offset = (chunk / 8) * Tr::kPanelKBytes + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
+            *reinterpret_cast<uint4*>(dk_base + key * params.dk_row_stride + chunk * 8) = ld_shared_v4(sK + offset);
+            *reinterpret_cast<uint4*>(dv_base + key * params.dv_row_stride + chunk * 8) = ld_shared_v4(sV + offset);
         }
     }
+    if (stamps) bwd_timeline_stamp(kStored);
 }
 
 }  // namespace flashgen

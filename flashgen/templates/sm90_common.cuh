@@ -105,6 +105,19 @@ __device__ __forceinline__ void semaphore_release_add(int* counter, int value) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(__cvta_generic_to_global(counter)), "r"(value) : "memory");
 }
 
+// ---- stmatrix (sm_90): four 8x8 b16 matrices from the MMA accumulator layout (register r of
+// lane l: row l / 4, columns 2 (l % 4) and + 1 of matrix r); lane l supplies the address of row
+// l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(smem_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
 // ---- Named barriers (ids 1..15; __syncthreads is 0): `threads` in all wait here.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -270,20 +270,23 @@ def test_bwd_noncontiguous_dout(layout):
     check_grads(q, k, v, dout, grads, causal=True)
 
 
-@pytest.mark.parametrize("misaligned", ["out", "dq", "both"])
+@pytest.mark.parametrize("misaligned", ["out", "dq", "both", "dk_dv"])
 @pytest.mark.parametrize("head_dim", [64, 72, 256])
-def test_bwd_row_kernels_unaligned(misaligned, head_dim):
+def test_bwd_unaligned_tensors(misaligned, head_dim):
     """The preprocess reads O and dO and the postprocess writes dQ in 16-byte chunks when their
-    pointers and strides allow it, element by element otherwise. The backward op called directly
-    with an out one element off a chunk boundary and a dq whose row stride is not whole chunks gives
-    the same gradients as with dense ones (the element loop is exact: it sums in another order)."""
+    pointers and strides allow it, element by element otherwise; the main kernels write dK and dV
+    in chunks always, into dense buffers (copied back) for a dk or dv off them. The backward op
+    called directly with an out one element off a chunk boundary, and a dq (or dk and dv) whose
+    strides are not whole chunks, gives the same gradients as with dense ones (the element loop is
+    exact: it sums in another order)."""
     q, k, v = make_qkv(2, 113, 255, 4, 2, head_dim)
     out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     dout = randn(*out.shape)
     scale = 1 / math.sqrt(head_dim)
 
-    def run(out_arg, dq):
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    def run(out_arg, dq, dk=None, dv=None):
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
         torch.ops.flashgen.bwd(dout, q, k, v, out_arg, lse, dq, dk, dv, scale, True, -1, -1, 0.0, None, 0.0,
                                torch.zeros(2, dtype=torch.int64, device=DEVICE), False)
         return dq, dk, dv
@@ -298,7 +301,12 @@ def test_bwd_row_kernels_unaligned(misaligned, head_dim):
     if misaligned in ("dq", "both"):
         dq = torch.full((*q.shape[:-1], head_dim + 1), float("nan"), dtype=q.dtype, device=DEVICE)[..., :head_dim]
         assert dq.stride(-2) % 8 != 0
-    got = run(out_arg, dq)
+    dk = dv = None
+    if misaligned == "dk_dv":
+        dk, dv = (torch.full((*t.shape[:-1], head_dim + 1), float("nan"), dtype=t.dtype, device=DEVICE)[..., :head_dim]
+                  for t in (k, v))
+        assert dk.stride(-3) % 8 != 0
+    got = run(out_arg, dq, dk, dv)
     for name, g, e in zip(("dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(g, e, atol=2e-3 * max(1.0, e.abs().max().item()), rtol=0, msg=name)
 
