@@ -734,7 +734,8 @@ def bench_command(ctx: click.Context, suites: tuple[str, ...], quick: bool, out:
       decode   flash_attn_with_kvcache: new tokens against a long cache, contiguous
                or paged; us per call (eager, and CUDA-graph replays of short calls)
                and TB/s of K+V read against the measured copy bandwidth
-      compile  cold NVRTC compile per instance, warm cache load in a fresh process,
+      compile  cold NVRTC compile per instance, NVRTC's phase timings per family
+               (front end, optimizer, ptxas), warm cache load in a fresh process,
                the matrix with -j N, host time per call next to SDPA's
 
     Every flashgen output is checked once per config against a reference before it is timed; a

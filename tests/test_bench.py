@@ -2,6 +2,7 @@
 and the report (table, ratios, skipped peers, JSON, plots) on canned numbers.  No GPU needed."""
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from flashgen.bench import peers, report, settings, suites
 from flashgen.bench.peers import Impl, Skip
 from flashgen.cli import cli
+from flashgen.generator import matrix
 from flashgen.testing_kvcache import kvcache_ref
 
 NO_BACKWARD = "flashgen has no backward pass yet"
@@ -429,6 +431,8 @@ COMPILE = {
     "matrix": {"filter": None, "jobs": 16, "wall_s": 40.0, "instances": 485, "compiled": 484, "median_s": 1.0,
                "max_s": 3.0, "total_s": 600.0, "slowest": "uri_c", "failed": ["uri_d"]},
     "host_overhead_us": {"flashgen.flash_attn_func": {"us": 21.0}, "SDPA": {"skipped": "RuntimeError: no"}},
+    "phases": {"fwd sm90": {"instances": 2, "ms": {"CUDA C++ Frontend": 100.0, "NVVM Optimizer": 500.0,
+                                                    "PTX Translation": 400.0}}},
 }
 
 
@@ -438,6 +442,8 @@ def test_compile_lines_and_failures():
     assert "4.2 ms to a loaded kernel" in text
     assert "485 instances (the whole matrix) with -j 16: 40.0 s wall, 600.0 s of compile, 1 failed" in text
     assert "flashgen.flash_attn_func: 21.0 us" in text and "SDPA: skipped: RuntimeError: no" in text
+    assert ("fwd sm90 (2): 1000 ms: CUDA C++ Frontend 100 (10%), NVVM Optimizer 500 (50%), "
+            "PTX Translation 400 (40%)") in text
     assert report.failures(canned_results(compile=COMPILE)) == ["compile: uri_d failed"]
 
 
@@ -543,7 +549,11 @@ def test_compile_suite_end_to_end_on_a_cpu(fake_nvrtc, monkeypatch, tmp_path):
     assert c["arch"] == "sm_90a" and c["cold"]["compiled"] == 2 and c["warm"]["runs"] == 1
     assert c["matrix"]["instances"] == c["matrix"]["compiled"] > 0 and c["matrix"]["failed"] == []
     assert "host_overhead_us" not in c  # needs a GPU
-    assert len(fake_nvrtc.calls) == 2 + c["matrix"]["instances"]  # every instance compiled cold, in scratch caches
+    assert c["phases"] == {}  # the fake NVRTC writes no timing report
+    group_sizes = collections.Counter((spec.direction, spec.family) for spec in matrix.all_specs(archs=["sm_90a"]))
+    phase_compiles = sum(min(2, size) for size in group_sizes.values())
+    # Every instance compiled cold, in scratch caches, besides the phase timings' compiles.
+    assert len(fake_nvrtc.calls) == 2 + phase_compiles + c["matrix"]["instances"]
     assert "cold compile, 2 instances" in result.output
 
 

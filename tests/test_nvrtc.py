@@ -50,6 +50,15 @@ def test_compiles_a_cubin(arch):
     assert b"tiny" in cubin  # the extern "C" symbol, unmangled
 
 
+def test_compile_phases_reports_where_the_time_went():
+    """NVRTC 13's --time report, parsed: the front end, the optimizer and ptxas, each in ms."""
+    phases = nvrtc.compile_phases(TINY_KERNEL, "tiny", "sm_90a", HEADERS, nvrtc.DEFAULT_OPTIONS)
+    if nvrtc.nvrtc_version()[0] < 13:
+        pytest.skip("phase timings checked with NVRTC 13")
+    assert {"CUDA C++ Frontend", "NVVM Optimizer", "PTX Translation"} <= set(phases)
+    assert all(ms >= 0 for ms in phases.values()) and sum(phases.values()) > 0
+
+
 def test_syntax_error_raises_compile_error_with_a_reproducible_source(tmp_path):
     source = TINY_KERNEL.replace("kScale);", "kScale)")  # missing semicolon
     assert source != TINY_KERNEL

@@ -123,6 +123,12 @@ def compile_lines(c: dict | None) -> list[str]:
     if cold["compiled"]:
         lines.append(f"  cold compile, {cold['compiled']} instances one at a time: median {cold['median_s']:.2f} s, "
                      f"max {cold['max_s']:.2f} s ({cold['slowest']})")
+    if c.get("phases"):
+        lines.append("  where a compile's time goes (NVRTC's phase timings, mean ms an instance):")
+        for group, entry in c["phases"].items():
+            total = sum(entry["ms"].values())
+            parts = ", ".join(f"{phase} {ms:.0f} ({ms / total:.0%})" for phase, ms in entry["ms"].items())
+            lines.append(f"    {group} ({entry['instances']}): {total:.0f} ms: {parts}")
     if "warm" in c and "error" in c["warm"]:
         lines.append(f"  warm cache load of {c['warm']['uri']} FAILED: {c['warm']['error']}")
     elif "warm" in c:

@@ -378,6 +378,27 @@ def host_overheads() -> dict:
     return result
 
 
+def compile_phase_split(specs, per_family: int = 2) -> dict:
+    """Where an NVRTC compile's time goes, per (direction, family): NVRTC's own phase timings
+    (nvrtc.compile_phases), mean ms over ``per_family`` instances of each, spread over it."""
+    from ..generator import cache, nvrtc, render
+
+    groups: dict[str, list] = {}
+    for spec in specs:
+        groups.setdefault(f"{spec.direction} {spec.family}", []).append(spec)
+    headers, options = render.header_sources(), cache.compile_options()
+    split = {}
+    for group, members in groups.items():
+        members = members[:: max(1, len(members) // per_family)][:per_family]  # spread over the group
+        runs = [nvrtc.compile_phases(render.render_instance(spec), spec.uri + ".cu", spec.arch, headers, options)
+                for spec in members]
+        runs = [run for run in runs if run]
+        if runs:
+            split[group] = {"instances": len(runs),
+                            "ms": {phase: statistics.fmean(run.get(phase, 0.0) for run in runs) for phase in runs[0]}}
+    return split
+
+
 def run_compile(s: Settings, arch: str, on_gpu: bool, progress) -> dict:
     from ..generator import cache, matrix, nvrtc
 
@@ -390,6 +411,8 @@ def run_compile(s: Settings, arch: str, on_gpu: bool, progress) -> dict:
         cold = list(cache.build(sample, 1))
         result["cold"] = _build_summary(cold)
         loadable = [r.spec for r in cold if r.error is None]
+        progress("compile: NVRTC's phase timings, per direction and family")
+        result["phases"] = compile_phase_split(specs)
         if loadable:
             progress(f"compile: warm load in {s.warm_runs} fresh processes")
             result["warm"] = _warm_load(loadable[0], s.warm_runs)

@@ -291,6 +291,30 @@ def compile_cubin(
             logger.warning("nvrtcDestroyProgram failed for %s: %s", name, _error_string(err))
 
 
+def compile_phases(
+    source: str, name: str, arch: str, headers: Mapping[str, str], options: Sequence[str]
+) -> dict[str, float]:
+    """Compile as compile_cubin does and return NVRTC's own timing of each phase, in ms, in the
+    order it reports them (NVRTC 13.0: the CUDA C++ front end, the NVVM optimizer, and PTX
+    translation, which is ptxas). Empty when this NVRTC reports none (its --time option)."""
+    with tempfile.TemporaryDirectory(prefix="flashgen-nvrtc-time-") as directory:
+        report = Path(directory) / "time.csv"
+        compile_cubin(source, name, arch, headers, [*options, f"--time={report}"])
+        try:
+            lines = report.read_text().splitlines()
+        except OSError:
+            return {}
+    phases: dict[str, float] = {}
+    for line in lines[1:]:  # header: File name, phase name, metric, unit
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 4 and fields[3] == "ms":
+            try:
+                phases[fields[1]] = phases.get(fields[1], 0.0) + float(fields[2])
+            except ValueError:
+                continue
+    return phases
+
+
 def _check(err, call: str) -> None:
     if err != _nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise RuntimeError(f"{call} failed: {_error_string(err)}")
