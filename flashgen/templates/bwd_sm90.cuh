@@ -585,6 +585,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle; key % 8 is lane / 4 here).
         uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
         auto store_ds = [&]() {
+#if defined(FLASHGEN_BWD_SM90_DS_STMATRIX) && FLASHGEN_BWD_SM90_DS_STMATRIX
+            // A candidate (to A/B and GPU-test): ds_frag[kk] is the four 8x8 matrices of n8 tiles
+            // 2 kk and 2 kk + 1, keys + 0 and + 8: one stmatrix, lane l the row of key
+            // ds_row + 8 ((l / 8) % 2) + l % 8, chunk 2 kk + l / 16 (2 kk XOR l / 16, swizzled).
+            int const ds_row = consumer * 64 + (warp % 4) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+            uint32_t const ds_lane = ds_buffer + ds_row * 128;
+            int const ds_chunk = (lane / 16) ^ (lane % 8);  // XOR 2 kk, then the panel of 2 kk
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                stmatrix_x4(ds_lane + ((2 * kk) / 8) * Tr::kPanelDSBytes + ((ds_chunk ^ ((2 * kk) % 8)) * 16),
+                            ds_frag[kk][0], ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
+#else
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i)
 #pragma unroll
@@ -594,6 +606,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                       4 * (lane % 4),
                                   ds_frag[i / 2][(i % 2) * 2 + half]);
                 }
+#endif
             fence_proxy_async();  // visible to the wgmma (async proxy)
         };
         // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
