@@ -5,6 +5,7 @@ and build without --arch).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -23,6 +24,7 @@ from .generator import cache, matrix, nvrtc, render
 from .generator.spec import DIRECTIONS, KernelSpec
 
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST_CHARS = 16  # of each instance's sha256: enough to see any change
 # What `flashgen demo` compiles without a GPU: the instances most calls use, for the two targets
 # CI compiles (sm_80: Ampere, sm_90a: Hopper).
 DEMO_ARCHS = ("sm_80", "sm_90a")
@@ -106,16 +108,35 @@ def _row(spec: KernelSpec) -> dict:
     return {"uri": spec.uri, **spec.to_dict(), "cubin_arch": matrix.compile_target(spec).arch}
 
 
-def _expected_files() -> dict[str, str]:
-    """Everything `emit` writes, by file name: one .cu per instance, the rendered headers (Params,
-    wgmma wrappers), the manifest."""
+def example_specs(specs: list[KernelSpec]) -> list[KernelSpec]:
+    """The instances whose text generated/ keeps: per (direction, family) the plainest one (bf16,
+    head dim 128 where the family has it, causal where it has masks, no other switch, the family's
+    own arch). The others differ from it only in the switch values the manifest lists."""
+    groups: dict[tuple[str, str], list[KernelSpec]] = {}
+    for spec in specs:
+        groups.setdefault((spec.direction, spec.family), []).append(spec)
+
+    def plainness(spec: KernelSpec) -> tuple:
+        own_arch = spec.arch.replace("_", "").startswith(spec.family)
+        return (spec.dtype != "bf16", spec.head_dim not in (0, 128), spec.mask != "causal", spec.softcap,
+                spec.pack_gqa, spec.paged, spec.decode, spec.dropout, spec.split, spec.gather, not own_arch, spec.uri)
+
+    return sorted(min(group, key=plainness) for group in groups.values())
+
+
+def _expected_files(uri_filter: str | None = None) -> dict[str, str]:
+    """Everything `emit` writes, by file name: the manifest (every instance's URI, switches, cubin
+    arch and the digest of its rendered source), the rendered headers (Params, wgmma wrappers), the
+    example instances' sources, and those of the instances whose URI contains ``uri_filter``."""
     specs = matrix.all_specs()
-    files = {render.instance_filename(s): render.render_instance(s) for s in specs}
+    sources = {spec: render.render_instance(spec) for spec in specs}
+    shown = set(example_specs(specs)) | {spec for spec in specs if uri_filter and uri_filter in spec.uri}
+    files = {render.instance_filename(spec): sources[spec] for spec in sorted(shown)}
     files[render.PARAMS_HEADER] = render.render_params_header()
     files[render.wgmma.HEADER] = render.render_wgmma_header()
     manifest = sorted(
-        ({"uri": s.uri, "file": render.instance_filename(s), **s.to_dict(),
-          "cubin_arch": matrix.compile_target(s).arch} for s in specs),
+        ({**_row(spec), "file": render.instance_filename(spec),
+          "digest": hashlib.sha256(sources[spec].encode()).hexdigest()[:MANIFEST_DIGEST_CHARS]} for spec in specs),
         key=lambda entry: entry["uri"],
     )
     files[MANIFEST] = json.dumps(manifest, indent=2) + "\n"
@@ -130,11 +151,16 @@ def _expected_files() -> dict[str, str]:
     show_default=True,
     help="Folder to write (it holds generated files only).",
 )
-@click.option("--check", is_flag=True, help="Write nothing; fail if OUT differs from the matrix.")
+@click.option("--filter", "uri_filter", default=None, metavar="TEXT",
+              help="Also write the full source of every instance whose URI contains TEXT.")
+@click.option("--check", is_flag=True, help="Write nothing; fail if OUT differs from what emit writes.")
 @click.pass_context
-def emit(ctx: click.Context, out: Path, check: bool) -> None:
-    """Render every instance of the matrix into OUT, for reading and reviewing the generated code."""
-    expected = _expected_files()
+def emit(ctx: click.Context, out: Path, uri_filter: str | None, check: bool) -> None:
+    """Render the matrix for reading and reviewing into OUT: the manifest (every instance, its
+    switches and the digest of its source, so that any instance's change shows in its diff), the
+    Params and wgmma headers, one example instance per direction and family, and with --filter the
+    sources of the instances it matches."""
+    expected = _expected_files(uri_filter)
     present = {p.name for p in out.iterdir() if p.is_file()} if out.is_dir() else set()
     drifted = sorted(
         n for n in expected.keys() & present if (out / n).read_bytes() != expected[n].encode()
@@ -153,7 +179,8 @@ def emit(ctx: click.Context, out: Path, check: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in drifted + missing:
         (out / name).write_bytes(expected[name].encode())
-    # Instances that left the matrix; anything else in OUT is not ours to delete.
+    # Instances that left the matrix (or what an earlier --filter wrote); anything else in OUT is
+    # not ours to delete.
     stale = [n for n in extra if n.endswith((".cu", ".cuh"))]
     for name in stale:
         (out / name).unlink()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 import flashgen
 from flashgen import cli as cli_module
 from flashgen import config
-from flashgen.cli import MANIFEST, cli
+from flashgen.cli import MANIFEST, cli, example_specs
 from flashgen.generator import cache, matrix, nvrtc, render
 from flashgen.generator.nvrtc import CompileError
 
@@ -52,15 +53,21 @@ def test_emit_then_check(tmp_path):
     out = tmp_path / "generated"
     run("emit", "--out", str(out))
     specs = matrix.all_specs()
+    examples = example_specs(specs)
     files = {p.name for p in out.iterdir()}
-    assert files == {render.instance_filename(s) for s in specs} | {render.PARAMS_HEADER, render.wgmma.HEADER, MANIFEST}
+    assert files == ({render.instance_filename(s) for s in examples}
+                     | {render.PARAMS_HEADER, render.wgmma.HEADER, MANIFEST})
+    assert {(s.direction, s.family) for s in examples} == {(s.direction, s.family) for s in specs}
     manifest = json.loads((out / MANIFEST).read_text())
     assert [m["uri"] for m in manifest] == sorted(s.uri for s in specs)
     assert manifest[0]["file"] == f"{manifest[0]['uri']}.cu"
     assert [m["cubin_arch"] for m in manifest] == [matrix.compile_target(s).arch for s in sorted(specs, key=lambda s: s.uri)]
+    by_uri = {s.uri: s for s in specs}
+    assert all(m["digest"] == hashlib.sha256(render.render_instance(by_uri[m["uri"]]).encode()).hexdigest()[:16]
+               for m in manifest[:50])
     assert "up to date" in run("emit", "--out", str(out), "--check").output
 
-    drifted = out / render.instance_filename(specs[0])
+    drifted = out / render.instance_filename(examples[0])
     drifted.write_text(drifted.read_text() + "// edited by hand\n")
     missing = out / render.PARAMS_HEADER
     missing.unlink()
@@ -73,6 +80,23 @@ def test_emit_then_check(tmp_path):
     output = run("emit", "--out", str(out)).output
     assert "2 written, 1 stale removed" in output
     run("emit", "--out", str(out), "--check")
+
+
+def test_emit_filter_writes_any_instance_in_full(tmp_path):
+    """Every instance's source on demand; the manifest's digest is that source's."""
+    out = tmp_path / "src"
+    wanted = [s for s in matrix.all_specs() if "hdim96_fp16_local_softcap" in s.uri]
+    assert wanted
+    run("emit", "--out", str(out), "--filter", "hdim96_fp16_local_softcap")
+    for spec in wanted:
+        text = (out / render.instance_filename(spec)).read_text()
+        assert text == render.render_instance(spec)
+        entry = next(m for m in json.loads((out / MANIFEST).read_text()) if m["uri"] == spec.uri)
+        assert entry["digest"] == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert "up to date" in run("emit", "--out", str(out), "--filter", "hdim96_fp16_local_softcap", "--check").output
+    # Without the filter they are extra, and a plain emit removes them.
+    assert f"extra: {out / render.instance_filename(wanted[0])}" in run("emit", "--out", str(out), "--check", expect=1).output
+    assert f"{len(wanted)} stale removed" in run("emit", "--out", str(out)).output
 
 
 def test_build_compiles_then_finds_cached(fake_nvrtc):
