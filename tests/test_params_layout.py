@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from flashgen.runtime.params import FWD_LAYOUT, FWD_PARAMS, fast_div, fast_divmod, pack_fwd
+from flashgen.generator.params import FWD_LAYOUT, FWD_PARAMS, fast_div, fast_divmod, pack_fwd
 
 
 class FastDivmod(ctypes.Structure):

@@ -8,7 +8,7 @@ import pytest
 
 from flashgen.generator import matrix, render
 from flashgen.generator.spec import KernelSpec
-from flashgen.runtime.params import LAYOUTS
+from flashgen.generator.params import LAYOUTS
 
 SPEC = KernelSpec("fwd", "sm80", "sm_90a", "bf16", 128, "causal", softcap=True)
 

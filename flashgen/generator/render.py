@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jinja2
 
-from ..runtime.params import LAYOUTS, render_struct
+from .params import LAYOUTS, render_struct
 from . import wgmma
 from .spec import ROW_DIRECTIONS, KernelSpec
 from .tiles import ROW_KERNEL_WARPS, bwd_tile, fwd_tile

@@ -8,14 +8,13 @@ import torch
 
 from .. import config
 from ..generator import matrix
+from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_row_grid, bwd_tile
-from . import params as params_mod
 from . import tma
 from .device import device_index, device_info
-from .dispatch import DeviceInfo, instance_head_dim, resolve_mask
+from .dispatch import DeviceInfo, dtype_name, instance_head_dim, resolve_mask
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _LOG2E = 1.4426950408889634
 
 
@@ -51,7 +50,7 @@ def plan_bwd(
     deterministic dQ order."""
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
-    dtype = _DTYPE_NAMES.get(dtype, dtype)
+    dtype = dtype_name(dtype)
     arch = matrix.target_arch(*device.capability)
     allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
     family = matrix.family_for(arch) if family in (None, "sm90") else family

@@ -15,7 +15,12 @@ from . import heuristics
 
 logger = logging.getLogger("flashgen")
 
-_DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+_DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}  # by str(dtype): no torch import here
+
+
+def dtype_name(dtype) -> str:
+    """The matrix's name of a torch dtype ("fp16", "bf16"); a name passes through."""
+    return _DTYPE_NAMES.get(str(dtype), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +230,7 @@ def plan_fwd(
     """
     if not isinstance(device, DeviceInfo):
         device = DeviceInfo(tuple(device))
-    dtype = _DTYPE_NAMES.get(str(dtype), dtype)
+    dtype = dtype_name(dtype)
     arch = matrix.target_arch(*device.capability)
     allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
     family = matrix.family_for(arch) if family in (None, "sm90") else family

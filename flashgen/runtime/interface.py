@@ -8,8 +8,8 @@ import torch
 
 from .. import config
 from ..generator import matrix
+from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
-from . import params as params_mod
 from . import tma, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd

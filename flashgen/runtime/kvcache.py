@@ -6,15 +6,14 @@ import torch
 
 from .. import config
 from ..generator import matrix
+from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import DECODE_MAX_ROWS, ROW_KERNEL_WARPS
-from . import params as params_mod
 from . import tma, validate
 from .device import device_index, device_info
-from .dispatch import plan_fwd
+from .dispatch import dtype_name, plan_fwd
 from .interface import HEAD_DIM_MULTIPLE, _aligned, _launch, launch_combine, pad_head_dim, run_fwd
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def flash_attn_with_kvcache(
@@ -125,7 +124,7 @@ def _append_rotary(q, q_out, k, v, k_cache, v_cache, cos, sin, cache_seqlens, ca
     """Rotate q into q_out and append (rotated) k and v into the cache, in one launch."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
-    spec = KernelSpec("append", family, arch, _DTYPE_NAMES[q.dtype])
+    spec = KernelSpec("append", family, arch, dtype_name(q.dtype))
     rows_q = batch * seqlen_q * nheads if rotary_dim else 0
     rows_kv = batch * seqlen_new * nheads_k
     zero3 = (0, 0, 0)

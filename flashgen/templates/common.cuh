@@ -39,7 +39,7 @@ struct bfloat16_t {
 
 // ---------------------------------------------------------------------------------------------
 // Division by a run-time constant with one multiply-high (round-up method). Host side computes
-// {divisor, multiplier, shift} in flashgen/runtime/params.py:fast_divmod. Exact for 0 <= n < 2^31.
+// {divisor, multiplier, shift} in flashgen/generator/params.py:fast_divmod. Exact for 0 <= n < 2^31.
 struct FastDivmod {
     int divisor;
     uint32_t multiplier;
