@@ -16,7 +16,7 @@ import statistics
 
 from flashgen.bench import peers, suites, timing
 from flashgen.generator import cache, tiles
-from flashgen.runtime import dispatch, interface, launch
+from flashgen.runtime import dispatch, execute, launch
 
 SHAPES = {  # name -> (batch, keys, query tokens)
     "b1-s2k": (1, 2048, 1),
@@ -55,7 +55,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #   pagedring   paged caches take the contiguous tile's ring; an odd ring takes K and V blocks in
 #               turn, an even one keeps them in pairs (tiles.DECODE_PAGED_SHARED_RING)
 #   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
-#   nopdl       that combine launched normally, not as a programmatic dependent (interface.DEPENDENT_COMBINE)
+#   nopdl       that combine launched normally, not as a programmatic dependent (execute.DEPENDENT_COMBINE)
 #   nopdlfwd    the forward launched normally, not as a programmatic dependent (dispatch.DECODE_DEPENDENT_LAUNCH)
 #   pdlany      the forward a programmatic dependent at any grid size (dispatch.DECODE_DEPENDENT_MAX_SM_SHARE)
 #   slots<N>    split counts for up to N decode CTAs per SM (dispatch.DECODE_SPLIT_CTAS_PER_SM)
@@ -73,7 +73,7 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 # The knobs each option sets, restored before every candidate and at the end.
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),
          (tiles, "DECODE_PAGED_SHARED_RING"),
-         (dispatch, "MERGE_IN_CLUSTER"), (interface, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
+         (dispatch, "MERGE_IN_CLUSTER"), (execute, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
          (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
          (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH"),
          (dispatch, "DECODE_DEPENDENT_MAX_SM_SHARE"), (dispatch, "DECODE_PAIRED_HEAD_DIMS"),
@@ -86,7 +86,7 @@ def apply_options(options: tuple[str, ...]) -> None:
 
     tiles.DECODE_PAGED_SHARED_RING |= "pagedring" in options
     dispatch.MERGE_IN_CLUSTER &= "combine" not in options
-    interface.DEPENDENT_COMBINE &= "nopdl" not in options
+    execute.DEPENDENT_COMBINE &= "nopdl" not in options
     dispatch.DECODE_DEPENDENT_LAUNCH &= "nopdlfwd" not in options
     if "pdlany" in options:
         dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = float("inf")

@@ -91,7 +91,7 @@ def attention_ref(
 
     dropout_mask (batch, nheads, seqlen_q, seqlen_k) bool: probabilities where it is False are
     dropped and the kept ones scaled as the kernels scale them (256 / threshold, see
-    flashgen.runtime.interface.dropout_threshold_and_scale; after the lse, which dropout leaves alone).
+    flashgen.runtime.dropout.dropout_threshold_and_scale; after the lse, which dropout leaves alone).
     """
     _check_args(q, k, v, window_size, softcap, alibi_slopes)
     if upcast:
@@ -135,7 +135,7 @@ def attention_ref(
     # softmax of an all -inf row is NaN; FlashAttention defines that row's output as 0.
     probs = torch.softmax(scores, dim=-1).masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
     if dropout_mask is not None:
-        from .runtime.interface import dropout_threshold_and_scale
+        from .runtime.dropout import dropout_threshold_and_scale
 
         probs = probs.masked_fill(~dropout_mask, 0.0) * dropout_threshold_and_scale(dropout_p)[1]
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
@@ -295,7 +295,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nhe
     """The dropout pattern of a flashgen call, (batch, nheads, seqlen_q, seqlen_k) bool (True: kept),
     recomputed from its rng_state ([seed, offset], int64) as the kernels compute it (Dropout in
     templates/common.cuh). Query and key positions are those within each sequence."""
-    from .runtime.interface import dropout_threshold_and_scale
+    from .runtime.dropout import dropout_threshold_and_scale
 
     seed, offset = (int(x) for x in rng_state.tolist())
     threshold = dropout_threshold_and_scale(float(dropout_p))[0]

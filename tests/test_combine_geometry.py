@@ -2,7 +2,7 @@
 
 The combine kernel (flashgen/templates/combine.cuh) derives its whole geometry from the params and
 the grid: a CTA takes ceil(rows / gridDim.x) rows, R at a time, as R rows x G split groups x C
-column threads. launch_combine (flashgen/runtime/interface.py) only picks the grid. These tests
+column threads. launch_combine (flashgen/runtime/execute.py) only picks the grid. These tests
 check the contract between the two: the thread count, the grid limits, that a model of the
 kernel's index math covers every (row, split, chunk) exactly once, and that the decode and the
 large shapes get the geometry they were designed for (one batch of loads per thread).
@@ -26,7 +26,7 @@ import torch
 
 from flashgen.generator import render
 from flashgen.generator.spec import KernelSpec
-from flashgen.runtime import interface, validate
+from flashgen.runtime import execute, validate
 from flashgen.runtime.dispatch import DeviceInfo
 
 TEMPLATES = Path(render.TEMPLATES_DIR)
@@ -55,9 +55,9 @@ def stub_device(monkeypatch, num_sms: int, run=None) -> dict:
         if run is not None:
             run(spec, num_threads, grid, params)
 
-    monkeypatch.setattr(interface, "_launch", fake_launch)
-    monkeypatch.setattr(interface, "device_index", lambda t: 0)
-    monkeypatch.setattr(interface, "device_info", lambda index: DeviceInfo(capability=(9, 0), num_sms=num_sms))
+    monkeypatch.setattr(execute, "launch_kernel", fake_launch)
+    monkeypatch.setattr(execute, "device_index", lambda t: 0)
+    monkeypatch.setattr(execute, "device_info", lambda index: DeviceInfo(capability=(9, 0), num_sms=num_sms))
     return seen
 
 
@@ -65,7 +65,7 @@ def launch(monkeypatch, *, num_splits, batch, seqlen, nheads, head_dim, num_sms=
     """launch_combine's (threads, grid) for a shape (nothing runs)."""
     seen = stub_device(monkeypatch, num_sms)
     dummy = torch.zeros(4)
-    interface.launch_combine(
+    execute.launch_combine(
         dummy, dummy, dummy, dummy, partial_strides=(0, 0, 0, 0), lse_partial_strides=(0, 0, 0, 0),
         out_strides=(0, 0, 0), lse_strides=(0, 0, 0), num_splits=num_splits, batch=batch, seqlen=seqlen,
         nheads=nheads, head_dim=head_dim,
@@ -413,7 +413,7 @@ def test_kernel_on_host_matches_reference(monkeypatch, host_kernel, num_splits, 
         assert bad_reads == 0, f"{bad_reads} out-of-bounds or misaligned reads"
 
     stub_device(monkeypatch, num_sms, run)
-    interface.launch_combine(
+    execute.launch_combine(
         out_partial, lse_partial, out, lse, partial_strides=out_partial.stride()[:4],
         lse_partial_strides=lse_partial.stride(), out_strides=out.stride()[:3], lse_strides=lse.stride(),
         num_splits=num_splits, batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashgen.runtime.interface import DropoutState
+from flashgen.runtime.dropout import DropoutState
 from flashgen.testing import dropout_keep_mask, philox4x32_10
 
 # Random123's kat_vectors for philox4x32_10: (counter, key, output).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime import interface, kvcache, validate
+from flashgen.runtime import dropout, execute, interface, kvcache, validate
 from flashgen.testing import attention_ref
 from flashgen.testing_kvcache import combine_ref, kvcache_ref, rotary_tables
 
@@ -24,7 +24,7 @@ F16 = torch.float16
                                                         (62, 4, 64), (64, 4, 64)])
 def test_pad_head_dim_appends_zero_columns(head_dim, multiple, padded):
     x = torch.randn(2, 3, head_dim)
-    y = interface.pad_head_dim(x, multiple)
+    y = execute.pad_head_dim(x, multiple)
     assert y.shape == (2, 3, padded)
     assert torch.equal(y[..., :head_dim], x) and not y[..., head_dim:].any()
     if padded == head_dim:
@@ -34,7 +34,7 @@ def test_pad_head_dim_appends_zero_columns(head_dim, multiple, padded):
 def test_gradients_flow_through_pad_and_slice():
     x = torch.randn(4, 59, requires_grad=True)
     g = torch.randn(4, 59)
-    (interface.pad_head_dim(x)[..., :59] * g).sum().backward()
+    (execute.pad_head_dim(x)[..., :59] * g).sum().backward()
     assert torch.equal(x.grad, g)
 
 
@@ -51,7 +51,7 @@ def kernels(monkeypatch):
 
     def attend(q, k, v, softmax_scale, causal, window_size, batched=True):
         seen.append((q.shape[-1], softmax_scale))
-        assert q.shape[-1] % interface.HEAD_DIM_MULTIPLE == 0 and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        assert q.shape[-1] % execute.HEAD_DIM_MULTIPLE == 0 and k.shape[-1] == v.shape[-1] == q.shape[-1]
         if not batched:  # varlen, one sequence: (total, heads, d)
             q, k, v = q[None], k[None], v[None]
         out, lse = attention_ref(q, k, v, causal=causal, window_size=window_size, softmax_scale=softmax_scale)
@@ -59,13 +59,13 @@ def kernels(monkeypatch):
         return (out, lse) if batched else (out[0], lse[0])
 
     def fwd(q, k, v, softmax_scale, causal, window_size, *rest):
-        return (*attend(q, k, v, softmax_scale, causal, window_size), interface.NO_DROPOUT)
+        return (*attend(q, k, v, softmax_scale, causal, window_size), dropout.NO_DROPOUT)
 
     def fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, *rest):
         return (*attend(q, k, v, softmax_scale, causal, (window_left, window_right)), torch.zeros(2, dtype=torch.int64))
 
     def varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, *rest):
-        return (*attend(q, k, v, softmax_scale, causal, window_size, batched=False), interface.NO_DROPOUT)
+        return (*attend(q, k, v, softmax_scale, causal, window_size, batched=False), dropout.NO_DROPOUT)
 
     def varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, *rest):
         out, lse = attend(q, k, v, softmax_scale, causal, (window_left, window_right), batched=False)
@@ -177,7 +177,7 @@ def cache_kernel(monkeypatch):
                     num_splits, pack_gqa, call):
         seen.append((q.shape[-1], softmax_scale))
         padded = [x for x in (q, k_cache, v_cache, k, v) if x is not None]
-        assert all(x.shape[-1] % interface.HEAD_DIM_MULTIPLE == 0 for x in padded)
+        assert all(x.shape[-1] % execute.HEAD_DIM_MULTIPLE == 0 for x in padded)
         ref = kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, block_table, softmax_scale, causal, call.window_size, softcap,
                           rotary_interleaved, alibi_slopes)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime import interface, validate
+from flashgen.runtime import dropout, interface, validate
 
 F16 = torch.float16
 
@@ -22,7 +22,7 @@ def paged_forward(monkeypatch):
                    block_table, *rest):
         tables.append(block_table)
         out = q * softmax_scale + k.sum() + v.sum()  # depends on all three, so a gradient would reach them
-        return out, torch.zeros(q.shape[1], q.shape[0]), interface.NO_DROPOUT
+        return out, torch.zeros(q.shape[1], q.shape[0]), dropout.NO_DROPOUT
 
     monkeypatch.setattr(interface, "_varlen_fwd", varlen_fwd)
     return tables

@@ -50,16 +50,16 @@ class FlashgenLocalAttention:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, varlen):
-        from flashgen.runtime import interface
+        from flashgen.runtime import dropout, execute, interface
 
         head_dim = q.shape[-1]
-        padded = head_dim % interface.HEAD_DIM_MULTIPLE != 0
+        padded = head_dim % execute.HEAD_DIM_MULTIPLE != 0
         if padded:  # the kernels' instances take head dims in steps of 8, as flash_attn_func pads them
-            dout, q, k, v, out = (interface.pad_head_dim(t) for t in (dout, q, k, v, out))
+            dout, q, k, v, out = (execute.pad_head_dim(t) for t in (dout, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # The backward reads lse as contiguous (batch, heads, rows): a half-shard slice is not.
         lse = lse.contiguous()
-        no_dropout = interface.NO_DROPOUT.rng_state()
+        no_dropout = dropout.NO_DROPOUT.rng_state()
         if varlen is None:
             interface._bwd_op(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, -1, -1, 0.0, None,
                               0.0, no_dropout, self.deterministic)

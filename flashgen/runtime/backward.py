@@ -11,11 +11,12 @@ from ..generator import matrix
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_row_grid, bwd_tile
-from . import tma
+from . import execute, tma
 from .device import device_index, device_info
 from .dispatch import DeviceInfo, dtype_name, instance_head_dim, resolve_mask
+from .dropout import NO_DROPOUT_PARAMS
+from .execute import LOG2E, chunk_aligned, ptr_or_null, row_strides, whole_chunks
 
-_LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,6 @@ def flash_bwd(
     loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
     (total, heads, d), lse is (nheads, total_q).
     """
-    from .interface import NO_DROPOUT_PARAMS, _aligned, _launch, _ptr, _rows3, _whole_chunks  # shared with the forward
 
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
@@ -113,14 +113,14 @@ def flash_bwd(
         return
     # The main kernels store dK and dV rows in 16-byte chunks: a caller's dk or dv off them gets a
     # dense buffer, copied back at the end.
-    dk_out = dk if _whole_chunks(dk) else torch.empty_like(dk, memory_format=torch.contiguous_format)
-    dv_out = dv if _whole_chunks(dv) else torch.empty_like(dv, memory_format=torch.contiguous_format)
+    dk_out = dk if whole_chunks(dk) else torch.empty_like(dk, memory_format=torch.contiguous_format)
+    dv_out = dv if whole_chunks(dv) else torch.empty_like(dv, memory_format=torch.contiguous_format)
     if varlen:  # rows outside every sequence (or past seqused_k) get no gradient from the kernel
         dk_out.zero_()
         dv_out.zero_()
     index = device_index(q)
     info = device_info(index)
-    q, k, v, dout = _aligned(q), _aligned(k), _aligned(v), _aligned(dout)
+    q, k, v, dout = chunk_aligned(q), chunk_aligned(k), chunk_aligned(v), chunk_aligned(dout)
     plan = plan_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
@@ -146,7 +146,7 @@ def flash_bwd(
         batch=stats_batch, seqlen_q=stats_rows, nheads=nheads, head_dim=head_dim, softmax_scale=softmax_scale,
     )
     for prefix, t in (("o", out), ("do", dout), ("dq", dq)):
-        row_values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
+        row_values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), row_strides(t))})
     row_params = params_mod.pack(params_mod.BWD_ROW_LAYOUT, row_values)
     row_grid = bwd_row_grid(stats_batch * stats_rows * nheads, head_dim)
     spec = plan.spec
@@ -157,15 +157,15 @@ def flash_bwd(
     values = dict(
         q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), do_ptr=dout.data_ptr(),
         lse_log2_ptr=lse_log2.data_ptr(), dsum_ptr=dsum.data_ptr(), dq_accum_ptr=dq_accum.data_ptr(),
-        dk_ptr=dk_out.data_ptr(), dv_ptr=dv_out.data_ptr(), alibi_slopes_ptr=_ptr(alibi_slopes),
-        semaphore_ptr=_ptr(semaphores), cu_seqlens_q_ptr=_ptr(cu_seqlens_q), cu_seqlens_k_ptr=_ptr(cu_seqlens_k),
-        seqused_q_ptr=_ptr(seqused_q), seqused_k_ptr=_ptr(seqused_k),
+        dk_ptr=dk_out.data_ptr(), dv_ptr=dv_out.data_ptr(), alibi_slopes_ptr=ptr_or_null(alibi_slopes),
+        semaphore_ptr=ptr_or_null(semaphores), cu_seqlens_q_ptr=ptr_or_null(cu_seqlens_q), cu_seqlens_k_ptr=ptr_or_null(cu_seqlens_k),
+        seqused_q_ptr=ptr_or_null(seqused_q), seqused_k_ptr=ptr_or_null(seqused_k),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         stats_batch_stride=0 if varlen else nheads * seqlen_q, stats_head_stride=stats_rows,
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, max_seqlen_q=max_seqlen_q,
         nheads=nheads, nheads_k=nheads_k,
         head_dim=head_dim, window_left=plan.window_left, window_right=plan.window_right,
-        scale_log2=_LOG2E if has_softcap else softmax_scale * _LOG2E,
+        scale_log2=LOG2E if has_softcap else softmax_scale * LOG2E,
         softmax_scale=softmax_scale,
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
@@ -174,15 +174,15 @@ def flash_bwd(
         dq_turns_descending=int(plan.dq_turns_descending),
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk_out), ("dv", dv_out)):
-        values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), _rows3(t))})
+        values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), row_strides(t))})
     threads = ROW_KERNEL_WARPS * 32
-    _launch(pre, 0, threads, row_grid, row_params, index)
+    execute.launch_kernel(pre, 0, threads, row_grid, row_params, index)
     # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.
     packed = params_mod.pack(params_mod.BWD_LAYOUT, values)
     if spec.family == "sm90":  # the TMA maps of Q, K, V, dO and the dQ buffer before the BwdParams
         packed = tma.sm90_bwd_params(q, k, v, dout, dq_accum, plan.tile.block_m, plan.tile.block_n, packed)
-    _launch(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
-    _launch(post, 0, threads, row_grid, row_params, index)
+    execute.launch_kernel(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
+    execute.launch_kernel(post, 0, threads, row_grid, row_params, index)
     if dk_out is not dk:
         dk.copy_(dk_out)
     if dv_out is not dv:

@@ -9,10 +9,10 @@ from ..generator import matrix
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import DECODE_MAX_ROWS, ROW_KERNEL_WARPS
-from . import tma, validate
+from . import execute, tma, validate
 from .device import device_index, device_info
 from .dispatch import dtype_name, plan_fwd
-from .interface import HEAD_DIM_MULTIPLE, _aligned, _launch, launch_combine, pad_head_dim, run_fwd
+from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, launch_combine, pad_head_dim, run_fwd
 
 
 
@@ -110,7 +110,7 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             index=index,
         )
     run_fwd(
-        plan, q=_aligned(q_attn), k=_aligned(k_cache), v=_aligned(v_cache), out=out, lse=lse,
+        plan, q=chunk_aligned(q_attn), k=chunk_aligned(k_cache), v=chunk_aligned(v_cache), out=out, lse=lse,
         softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=capacity,
         seqused_k=cache_seqlens, seqlen_k_new=seqlen_new, leftpad_k=cache_leftpad,
         kv_batch_idx=cache_batch_idx, block_table=block_table, page_size=page_size, kv_batch=cache_batch,
@@ -146,7 +146,7 @@ def _append_rotary(q, q_out, k, v, k_cache, v_cache, cos, sin, cache_seqlens, ca
         strides = t.stride()[:3] if t is not None else zero3
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), strides)})
     grid = (max(1, -(-max(rows_q, rows_kv) // ROW_KERNEL_WARPS)), 3, 1)
-    _launch(spec, 0, ROW_KERNEL_WARPS * 32, grid, params_mod.pack(params_mod.APPEND_LAYOUT, values), index)
+    execute.launch_kernel(spec, 0, ROW_KERNEL_WARPS * 32, grid, params_mod.pack(params_mod.APPEND_LAYOUT, values), index)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):

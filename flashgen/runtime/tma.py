@@ -25,7 +25,7 @@ _lock = threading.Lock()
 def compatible(*tensors: torch.Tensor) -> bool:
     """Whether the TMA can read these (batch, rows, heads, d) or varlen (total, heads, d) tensors:
     rows to map, a contiguous last dim, a 16-byte aligned base, strides in 16-byte units (what
-    flashgen's _aligned already ensures for its copies) and not 0 over a dimension it steps (an
+    execute.chunk_aligned already ensures for its copies) and not 0 over a dimension it steps (an
     expanded view: a tensor map's strides are positive), sizes within the 32-bit coordinates."""
     # On every Hopper forward call: one stride tuple and one shape tuple per tensor, no generators.
     for t in tensors:

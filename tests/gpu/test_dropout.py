@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime.interface import dropout_threshold_and_scale
+from flashgen.runtime.dropout import dropout_threshold_and_scale
 from flashgen.testing import assert_close_fa_rule, assert_lse_close, attention_ref, dropout_keep_mask
 from test_bwd import grad_eps
 from test_fwd import DEVICE, make_qkv, poison_allocator
@@ -23,7 +23,7 @@ MASKS = {"none": {}, "causal": {"causal": True}, "local": {"window_size": (33, 7
 
 
 def next_rng_state() -> torch.Tensor:
-    """The [seed, offset] the next dropout call will draw (flashgen.runtime.interface.draw_dropout)."""
+    """The [seed, offset] the next dropout call will draw (flashgen.runtime.dropout.draw_dropout)."""
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     seed = generator.initial_seed()
     return torch.tensor([seed - 2**64 if seed >= 2**63 else seed, generator.get_offset()])

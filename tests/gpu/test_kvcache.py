@@ -226,16 +226,16 @@ def fresh_caches(kwargs: dict) -> dict:
 
 def spy_launches(monkeypatch) -> list:
     """Record (spec, grid) of every kernel the runtime launches from here on."""
-    from flashgen.runtime import interface
+    from flashgen.runtime import execute
 
     launched = []
-    original = interface._launch
+    original = execute.launch_kernel
 
     def spy(spec, smem_bytes, num_threads, grid, *args, **kwargs):
         launched.append((spec, grid))
         return original(spec, smem_bytes, num_threads, grid, *args, **kwargs)
 
-    monkeypatch.setattr(interface, "_launch", spy)
+    monkeypatch.setattr(execute, "launch_kernel", spy)
     return launched
 
 
@@ -403,18 +403,18 @@ def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
     """On sm_90+, decode splits of up to 8 run as one cluster and merge through distributed shared
     memory, without the combine kernel: the result meets the rule, agrees with the combine kernel's
     merge, is bitwise repeatable, and replays in a CUDA graph. More splits take the combine."""
-    from flashgen.runtime import dispatch, interface
+    from flashgen.runtime import dispatch, execute
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90+")
     launched = []
-    original = interface._launch
+    original = execute.launch_kernel
 
     def spy(spec, *args, cluster=None, **kwargs):
         launched.append((spec.uri, cluster))
         return original(spec, *args, cluster=cluster, **kwargs)
 
-    monkeypatch.setattr(interface, "_launch", spy)
+    monkeypatch.setattr(execute, "launch_kernel", spy)
     kwargs = make_kwargs(c)
     merged = check_kvcache(fresh_caches(kwargs), name="out (merged in a cluster)")
     forward = [(u, cl) for u, cl in launched if "_decode_" in u]

@@ -2,7 +2,7 @@
 
 The kernels read whole 16-byte row chunks, so such calls run, as in flash_attn 2, on copies padded
 with zero columns up to the next multiple of 8, and their outputs, lse and gradients are sliced
-back (flashgen/runtime/interface.py, HEAD_DIM_MULTIPLE). Each test holds the caller-shaped results
+back (flashgen/runtime/execute.py, HEAD_DIM_MULTIPLE). Each test holds the caller-shaped results
 to the float32 reference on the unpadded inputs with the default softmax_scale 1/sqrt(d), which a
 scale of the padded dim would fail (at d = 59 the logits are 4% off, at d = 1 by sqrt(8)). d = 200
 is a multiple of 8 between two instances (the predicated path, no padding): the control.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime.interface import pad_head_dim
+from flashgen.runtime.execute import pad_head_dim
 from flashgen.testing_kvcache import rotary_tables
 from test_bwd import check_bwd, check_grads, flash_grads
 from test_fwd import DEVICE, DTYPE_NAMES, MASKS, call_poisoned, check_against_ref, check_fwd, make_qkv, randn

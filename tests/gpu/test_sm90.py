@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime import interface
+from flashgen.runtime import execute
 from flashgen.runtime.backward import sm90_bwd_instance_head_dim
 from flashgen.runtime.dispatch import sm90_instance_head_dim
 from test_fwd import (  # noqa: F401 (_seed: autouse)
@@ -41,13 +41,13 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k)
 def launched(monkeypatch):
     """The URIs of the kernels flashgen launches while the test runs."""
     uris = []
-    original = interface._launch
+    original = execute.launch_kernel
 
     def spy(spec, *args, **kwargs):
         uris.append(spec.uri)
         return original(spec, *args, **kwargs)
 
-    monkeypatch.setattr(interface, "_launch", spy)
+    monkeypatch.setattr(execute, "launch_kernel", spy)
     return uris
 
 
@@ -611,10 +611,10 @@ def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched):
 DETERMINISTIC_PASSES = 20
 _DETERMINISTIC_CHILD = """
 import sys, torch, flashgen
-from flashgen.runtime import interface
+from flashgen.runtime import execute
 uris = []
-launch = interface._launch
-interface._launch = lambda spec, *args, **kw: (uris.append(spec.uri), launch(spec, *args, **kw))[1]
+launch = execute.launch_kernel
+execute.launch_kernel = lambda spec, *args, **kw: (uris.append(spec.uri), launch(spec, *args, **kw))[1]
 data = torch.load(sys.argv[1])
 kwargs, lengths = data["kwargs"], data["lengths"]
 

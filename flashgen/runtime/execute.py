@@ -1,0 +1,238 @@
+"""Executing a plan: tensors in the layouts the kernels read, Params packing and launching on the
+current stream, the split-KV combine. interface.py, backward.py and kvcache.py call it; it calls
+none of them."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..generator import matrix
+from ..generator import params as params_mod
+from ..generator.spec import KernelSpec
+from . import tma
+from .device import device_index, device_info
+from .dispatch import FwdPlan
+from .dropout import NO_DROPOUT_PARAMS
+from .launch import get_kernel
+
+LOG2E = 1.4426950408889634
+
+
+def whole_chunks(t: torch.Tensor) -> bool:
+    """Whether kernels can move t's rows in 16-byte chunks: a contiguous last dim, a 16-byte
+    aligned base and strides of whole 8-element chunks."""
+    strides = t.stride()  # (on every call: one tuple, no generator)
+    if strides[-1] != 1 or t.data_ptr() % 16:
+        return False
+    for stride in strides[:-1]:
+        if stride % 8:
+            return False
+    return True
+
+
+def chunk_aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy in whole 16-byte chunks (whole_chunks). Inputs are validated to have a
+    contiguous last dim; dout arrives in whatever layout autograd made (expanded from a sum,
+    interleaved from a stack, ...)."""
+    return t if whole_chunks(t) else t.contiguous()
+
+
+# The kernels move rows in whole 16-byte chunks (8 fp16/bf16 elements). As in flash_attn 2, a call
+# whose head dim is not a multiple of 8 runs on copies padded with zero columns, which change no
+# score and give zero output columns, and its outputs are sliced back; autograd carries the
+# gradients through the pad and the slice. A head dim that is a multiple of 8 skips all of it.
+HEAD_DIM_MULTIPLE = 8
+
+
+def pad_head_dim(x: torch.Tensor, multiple: int = HEAD_DIM_MULTIPLE) -> torch.Tensor:
+    """x with zero columns appended to its last dimension up to a multiple of ``multiple``; x itself
+    when it is one."""
+    extra = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+_COMBINE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def launch_kernel(spec, smem_bytes: int, num_threads: int, grid, params: bytes, index: int,
+            dependent: bool = False, cluster: tuple[int, int, int] | None = None) -> None:
+    """Launch on the current stream; ``dependent``: as a programmatic dependent launch (see
+    LoadedKernel.launch_dependent; the kernel must wait with griddepcontrol.wait); ``cluster``: in
+    thread-block clusters of that shape (sm_90+)."""
+    kernel = get_kernel(spec, smem_bytes, num_threads)
+    launch = kernel.launch_dependent if dependent else kernel.launch
+    if cluster is not None:
+        launch = functools.partial(kernel.launch_cluster, cluster=cluster, dependent=dependent)
+    if torch.cuda.current_device() != index:
+        with torch.cuda.device(index):
+            kernel.prepare(index)
+            launch(grid, stream_handle(index), params)
+    else:
+        kernel.prepare(index)
+        launch(grid, stream_handle(index), params)
+
+
+# The current stream's handle, without building a torch.cuda.Stream object (a few microseconds per
+# launch): the raw getter CUDA builds of torch have, else the public API.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_handle(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# The split-KV combine as a programmatic dependent launch on sm_90+ (launch_combine). A switch for
+# benchmarks/tune_decode.py, which measures both ways.
+DEPENDENT_COMBINE = True
+
+
+@functools.lru_cache(maxsize=64)
+def combine_spec(capability: tuple[int, int], dtype: torch.dtype) -> KernelSpec:
+    arch = matrix.target_arch(*capability)
+    return KernelSpec("combine", matrix.family_for(arch), arch, _COMBINE_DTYPES[dtype])
+
+
+@functools.lru_cache(maxsize=256)
+def combine_geometry(num_splits: int, rows: int, head_dim: int, num_sms: int):
+    """(threads, grid) of a combine launch. templates/combine.cuh derives the rest from the grid;
+    any grid is correct. A CTA of `threads` (kCombineThreads) is R rows x G split groups x C column
+    threads; the grid sets R, and with it G = threads / (R * C). Each thread has up to 8 partial
+    float4s in flight per batch (kCombineLoads): up to 8 splits (its group's share) of one chunk
+    when num_splits > 4, else 8 / 2**ceil(log2(splits)) chunks of every split. Pick R so that one
+    batch covers the splits (G >= splits / 8), and, when rows are few, so that they spread over the
+    SMs: at decode every row then gets a whole CTA and the combine costs about one global round
+    trip."""
+    threads = 256  # kCombineThreads
+    chunks_per_thread = 1 if num_splits > 4 else 8 >> (num_splits - 1).bit_length()  # kKc
+    col_threads = min(1 << max(-(-(head_dim // 4) // chunks_per_thread) - 1, 0).bit_length(), 64)  # C
+    rows_per_pass = threads // col_threads
+    if chunks_per_thread == 1:
+        rows_per_pass = max(1, rows_per_pass >> (-(-num_splits // 8) - 1).bit_length())
+    rows_per_pass = min(rows_per_pass, 1 << (max(1, rows // num_sms).bit_length() - 1))
+    return threads, (max(1, min(-(-rows // rows_per_pass), 2**31 - 1)), 1, 1)
+
+
+def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_partial_strides,
+                   out_strides, lse_strides, num_splits, batch, seqlen, nheads, head_dim) -> None:
+    """Merge split-KV partials. Strides are (split, batch, row, head) for partials and
+    (batch, row, head) for outputs, in elements."""
+    index = device_index(out)
+    info = device_info(index)
+    spec = combine_spec(info.capability, out.dtype)
+    values = dict(
+        out_partial_ptr=out_partial.data_ptr(), lse_partial_ptr=lse_partial.data_ptr(),
+        out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
+        num_splits=num_splits, batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,
+    )
+    for prefix, names, strides in (
+        ("out_partial", ("split", "batch", "row", "head"), partial_strides),
+        ("lse_partial", ("split", "batch", "row", "head"), lse_partial_strides),
+        ("out", ("batch", "row", "head"), out_strides),
+        ("lse", ("batch", "row", "head"), lse_strides),
+    ):
+        values.update({f"{prefix}_{n}_stride": st for n, st in zip(names, strides)})
+    threads, grid = combine_geometry(num_splits, batch * seqlen * nheads, head_dim, info.num_sms)
+    # On sm_90+ the combine is a programmatic dependent launch: its CTAs are resident when the
+    # forward's last ones finish (combine.cuh waits with griddepcontrol.wait), hiding its launch.
+    launch_kernel(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index,
+            dependent=DEPENDENT_COMBINE and info.capability[0] >= 9)
+
+
+def ptr_or_null(t) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a dense (batch, seqlen, heads, d) tensor, or of a varlen
+    (total, heads, d) one, whose sequences are found through cu_seqlens (batch stride 0)."""
+    return t.stride()[:3] if t.dim() == 4 else (0, *t.stride()[:2])
+
+
+def run_fwd(
+    plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
+    seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
+    page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+    dropout=None, max_seqlen_q=None,
+) -> None:
+    """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
+
+    Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
+    q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
+    capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows."""
+    nheads, head_dim = q.shape[-2], q.shape[-1]
+    nheads_k = k.shape[-2]
+    if cu_seqlens_q is not None:
+        batch, seqlen_q = cu_seqlens_q.shape[0] - 1, q.shape[0]  # seqlen_q: rows of q
+        partial_rows = seqlen_q
+        lse_strides = (0, 1, seqlen_q)  # (batch, row, head) of (nheads, total_q)
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        partial_rows = batch * seqlen_q
+        lse_strides = (nheads * seqlen_q, 1, seqlen_q)
+    has_softcap = softcap > 0
+    splits = plan.num_splits
+    if splits > 1 and not plan.merge_in_cluster:
+        # One allocation for both partial buffers (an allocation is several microseconds).
+        o_elems = splits * partial_rows * nheads * head_dim
+        scratch = torch.empty(o_elems + splits * partial_rows * nheads, dtype=torch.float32, device=q.device)
+        oaccum = scratch[:o_elems]
+        lseaccum = scratch[o_elems:]
+        if seqused_q is not None:
+            lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
+    else:
+        oaccum = lseaccum = None
+    index = device_index(q)
+    # An sm90 instance wider than the call (a head dim between two instances) stores all of its
+    # columns: into a padded O (zeroed where the kernel writes no rows: past seqused_q), whose
+    # call's columns are copied out after the launch. (Its split-KV partials have the call's.)
+    padded_out = None
+    if plan.spec.head_dim > head_dim and plan.spec.family == "sm90" and splits == 1:
+        alloc = torch.empty if seqused_q is None else torch.zeros
+        padded_out = alloc((*out.shape[:-1], plan.spec.head_dim), dtype=out.dtype, device=out.device)
+    o_tensor = out if padded_out is None else padded_out
+    packed = params_mod.pack_fwd_values(
+        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=o_tensor.data_ptr(),
+        lse_ptr=lse.data_ptr(), alibi_slopes_ptr=ptr_or_null(alibi_slopes), seqused_k_ptr=ptr_or_null(seqused_k),
+        leftpad_k_ptr=ptr_or_null(leftpad_k), kv_batch_idx_ptr=ptr_or_null(kv_batch_idx), block_table_ptr=ptr_or_null(block_table),
+        oaccum_ptr=ptr_or_null(oaccum), lseaccum_ptr=ptr_or_null(lseaccum), cu_seqlens_q_ptr=ptr_or_null(cu_seqlens_q),
+        cu_seqlens_k_ptr=ptr_or_null(cu_seqlens_k), seqused_q_ptr=ptr_or_null(seqused_q),
+        q_strides=row_strides(q), k_strides=row_strides(k), v_strides=row_strides(v), o_strides=row_strides(o_tensor),
+        alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
+        lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[2], partial_rows=partial_rows,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seqlen_k_new=seqlen_k_new,
+        max_seqlen_q=seqlen_q if max_seqlen_q is None else max_seqlen_q,
+        kv_batch=kv_batch if kv_batch is not None else (batch if cu_seqlens_k is not None else k.shape[0]),
+        num_splits=splits, merge_in_cluster=int(plan.merge_in_cluster),
+        nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
+        window_left=plan.window_left, window_right=plan.window_right,
+        kv_head_group=plan.kv_head_group, qhead_per_khead=nheads // nheads_k * plan.kv_head_group,
+        page_size=page_size,
+        scale_log2=LOG2E if has_softcap else softmax_scale * LOG2E,
+        softmax_scale=softmax_scale,
+        softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
+        softcap=float(softcap),
+        alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
+        **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
+    )
+    if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
+        group = nheads // nheads_k if plan.spec.pack_gqa else 1
+        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
+    launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
+            dependent=plan.dependent_launch, cluster=(1, 1, splits) if plan.merge_in_cluster else None)
+    if padded_out is not None:
+        out.copy_(padded_out[..., :head_dim])
+    if splits > 1 and not plan.merge_in_cluster:
+        # Partials are (split, row, head[, d]) with rows numbered across the batch; the combine
+        # sees a varlen call as one sequence of total_q rows.
+        row_o, row_lse = nheads * head_dim, nheads
+        launch_combine(
+            oaccum, lseaccum, out, lse,
+            partial_strides=(partial_rows * row_o, seqlen_q * row_o, row_o, head_dim),
+            lse_partial_strides=(partial_rows * row_lse, seqlen_q * row_lse, row_lse, 1),
+            out_strides=row_strides(out), lse_strides=lse_strides, num_splits=splits,
+            batch=batch if cu_seqlens_q is None else 1, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
+        )
