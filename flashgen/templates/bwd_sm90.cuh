@@ -626,6 +626,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         auto store_dq = [&]() {
             if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
             int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
+#if defined(FLASHGEN_BWD_SM90_DQ_XOR_ADDRESS) && FLASHGEN_BWD_SM90_DQ_XOR_ADDRESS
+            // A candidate (to A/B): the same addresses from one per-lane base. Its bits 4-6 are the
+            // lane's swizzled chunk (every other term is a multiple of 128), so n8 tile i's chunk,
+            // 2 (i % 4) XOR that, is the base XOR 32 (i % 4): one register instead of one per tile.
+            uint32_t const dq_lane = sdQ + (dq_col0 / 32) * Tr::kDQBoxBytes + dq_row * 128 +
+                                     ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int i = 0; i < Tr::kDQWidth / 8; ++i)
+                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + (i / 4) * Tr::kDQBoxBytes + half * 8 * 128,
+                                    acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
+#else
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -635,6 +648,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                           ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
                     st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
                 }
+#endif
             fence_proxy_async();  // visible to the TMA (async proxy)
             mbar_arrive(dq_full);
         };
