@@ -68,8 +68,8 @@ class FwdTile:
 
 
 # (head_dim) -> tile, for targets with >= 163 KB of shared memory per block (A100, H100/H200).
-# Tuned on the H200 with benchmarks/tune_fwd_tiles.py (results: benchmarks/results/sm80_fwd_tiles_h200.md):
-# 4 warps win everywhere; above d128 one m16 row tile per warp (64-row CTAs) keeps registers free.
+# 4 warps win everywhere; above d128 one m16 row tile per warp (64-row CTAs) keeps registers free
+# (measurements: benchmarks/results/tuning_history_h200.md).
 _FWD_SM80_LARGE = {
     64: FwdTile(128, 128, 4),
     96: FwdTile(128, 64, 4),
@@ -91,28 +91,25 @@ _FWD_SM80_SMALL = {
 
 # Decode: few query rows (<= DECODE_MAX_ROWS after PackGQA). One 16-row tile whose four warps split
 # each 128-key block (32 keys each, merged at the end) with a ring of K/V buffers in flight: such
-# calls are bound by reading K/V, and more rows per tile would spend the tensor cores on padding.
-# Tuned on the H200 with benchmarks/tune_decode.py (results: benchmarks/results/decode_tiles_h200.md).
+# calls are bound by reading K/V, and more rows per tile would spend the tensor cores on padding
+# (measurements: benchmarks/results/tuning_history_h200.md).
 FWD_DECODE_TILE = FwdTile(16, 128, 4, kv_buffers=4, warps_n=4)
 # Up to this many rows take the decode tile (in two row blocks if it holds 16: their K/V reads
 # then coincide in L2); more rows have enough work for the prefill tile.
 DECODE_MAX_ROWS = 32
 # The shallowest ring worth two decode CTAs per SM: with three buffers one block's K and V are in
-# flight while the math reads the third (H200, d128: within 1% of cuDNN from batch 1 to 128, where
-# four buffers and one CTA per SM measured 0.70x at batch 4 x 8k keys: the clusters of splits do
-# not all fit at once).
+# flight while the math reads the third; four buffers and one CTA per SM lose where the clusters of
+# splits do not all fit at once (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_MIN_SHARED_RING = 3
 # The deepest ring two decode CTAs per SM take where it fits (deeper than FWD_DECODE_TILE's, which
-# one CTA alone holds): H200 d64 (16 KB a buffer), six buffers against four, us: b128 x 2k keys
-# 128.7 / 137.0 (cuDNN 125.6), b1 x 32k 22.7 / 22.9, b4 x 8k 22.2 / 22.4. One CTA per SM gained
-# nothing from six (d256, paged d128: benchmarks/results/20261130-nvidia-h200-decode-pdl/).
+# one CTA alone holds): six buffers beat four at d64; one CTA per SM gains nothing from six
+# (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_MAX_SHARED_RING = 6
 # Whether paged caches take that ring too (an odd ring: K and V blocks in turn, each block's
 # page-table loads issued after the previous block's V copy; an even one still keeps K and V in
-# pairs) instead of the deepest ring of pairs one CTA holds. H200 (benchmarks/tune_decode.py
-# --page-size 16 / 256, us, pairs -> ring): b128 x 2k keys 263.1 -> 242.9 / 246.6 -> 241.3, but
-# b1 x 128k 129.1 -> 167.4 / 124.1 -> 124.6 and b16 x 4k 68.4 -> 85.0 / 63.3 -> 63.8: at page 16
-# the ring only pays with two CTAs on every SM.
+# pairs) instead of the deepest ring of pairs one CTA holds. Off: with small pages the ring only
+# pays with two CTAs on every SM, and costs smaller grids much more
+# (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_PAGED_SHARED_RING = False
 
 
@@ -203,19 +200,11 @@ def sm90_consumer_registers(producer_registers: int) -> int:
     CTA (three warpgroups) has given its share down to producer_registers (setmaxnreg)."""
     return (3 * SM90_LAUNCH_REGISTERS - producer_registers) // 2 // 8 * 8
 
-# (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice;
-# 160 and 176 measured 1-11% slower non-causal); d64 takes 256 (H200, bf16 s1k/4k/16k against 128,
-# two same-process runs: non-causal +7%, +12%, +13%; causal -6%, +6%, +9%; 192 slower; 3 stages
-# measured +0-5% more non-causal but not yet run through the GPU tests), d192 96 (with 112 two
-# stages fit too, but the consumers spill in the block loop under softcap) and d256 64, so that two
-# stages fit in 227 KB. Issuing block j's P·V with block j + 1's
-# Q·Kᵀ (overlap) pays from d128 (H200, bf16 s4096 TFLOP/s with / without: d128 628 / 535, d256
-# 612 / 575) but not at d64 (376 / 401). Measured again with the softmax really overlapping the
-# P·V (fwd_sm90.cuh), d64 bf16 s1k/4k/16k in two runs: non-causal -2 to +6%, causal -7 to -13%.
-# The producer keeps 24 registers everywhere. At d64/d128 it then reloads a value or two from the
-# stack per K/V block it loads, but 40 (consumers 232, same block-loop SASS) measured slower on the
-# H200: bf16 non-causal s4k/16k d64 8-10%, d128 5-7%, causal the same (two same-process runs); at
-# d256 the consumers need 240 (232: 16-136 bytes of spills).
+# (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice),
+# 256 at d64 (faster than 128 but for short causal calls; 192 slower), 96 at d192 (112 spills under
+# softcap) and 64 at d256, so that two stages fit in 227 KB; the P·V overlap pays from d128, not
+# at d64. The producer keeps 24 registers (40 is slower at d64/d128; d256's consumers need 240)
+# (measurements: benchmarks/results/tuning_history_h200.md).
 _FWD_SM90 = {
     64: Sm90FwdTile(256, overlap=False),
     128: Sm90FwdTile(128),
@@ -264,12 +253,9 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
 
 # (head_dim) -> sm90 backward tile. 128 keys per CTA; at d64 128-query steps (Sᵀ and dPᵀ 64
-# registers each, dK and dV 32), at d128 64 (dK and dV take 64 each). Measured on the H200 (bf16,
-# non-causal s1k/4k/16k, two same-process runs each; causal alike): dQ through the shared tile and
-# TMA reductions instead of the consumers' 8-byte atomics: d64 +7%, +10%, +11%; at d128 a bulk copy
-# per row already gave +13%, +19%, +18% over the atomics, and the TMA +4%, +2%, +3% over that (a
-# bulk copy per row at d64, 128 rows of 256 bytes: -21%, -26%, -28%); 3 Q/dO stages instead of 2:
-# 0 to -5%; Pᵀ computed while dPᵀ is still in the tensor cores: -1% at d64, 0 at d128.
+# registers each, dK and dV 32), at d128 64 (dK and dV take 64 each). dQ goes through the shared
+# tile and TMA reductions (faster than atomics or a bulk copy per row); neither a third Q/dO stage
+# nor computing Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
@@ -369,18 +355,13 @@ class BwdTile:
         return rows + ds + 2 * self.block_m * 4 * self.stages + dq
 
 
-# (head_dim) -> backward tile, tuned on the H200 with benchmarks/tune_bwd_tiles.py (bf16, s4096,
-# TFLOP/s non-causal / causal). Up to d128 eight warps own 128 keys in pairs (each Q/dO step and
-# each dQ atomic serves twice the keys of a 64-key CTA); at d64 the registers left over hold
-# 128-query steps (229 / 205 vs 206 / 187 with 64). Above d128 eight warps own 64 keys, four per
-# 32-key group, each with a quarter of the head dim for dK/dV: d256 196 / 182 and d192 192 / 179,
-# against 140 / 138 and 153 / 147 with the head dim split over two 4-warp CTAs (which recompute S
-# and dP). bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target
-# (two are 1-3% faster than one).
-# On sm_90 targets the dQ tile (bulk reductions instead of atomics) is worth more than a second
-# Q/dO stage (d256 has room for only one of them). H200, FLASHGEN_FAMILY=sm80, atomics -> tile:
-# d64 237 / 214 -> 257 / 230, d128 266 / 237 -> 293 / 262, d192 199 / 184 -> 256 / 230, d256
-# (two stages -> one stage and the tile) 201 / 186 -> 263 / 237.
+# (head_dim) -> backward tile. Up to d128 eight warps own 128 keys in pairs (each Q/dO step and each
+# dQ atomic serves twice the keys of a 64-key CTA); at d64 the registers left over hold 128-query
+# steps. Above d128 eight warps own 64 keys, four per 32-key group, each with a quarter of the head
+# dim for dK/dV (faster than the head dim split over two 4-warp CTAs, which recompute S and dP).
+# bwd_tile gives each the most Q/dO stages (up to BWD_MAX_STAGES) that fit the target; on sm_90
+# targets the dQ tile (bulk reductions instead of atomics) is worth more than a second Q/dO stage
+# (d256 has room for only one of them) (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM80_LARGE = {64: BwdTile(8, 128, 1, dq_tile=True), 96: BwdTile(8, 64, 1, dq_tile=True),
                    128: BwdTile(8, 64, 1, dq_tile=True), 192: BwdTile(8, 64, 1, key_groups=2, dq_tile=True),
                    256: BwdTile(8, 64, 1, key_groups=2, dq_tile=True)}

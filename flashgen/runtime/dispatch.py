@@ -59,48 +59,29 @@ class FwdPlan:
 MAX_SPLITS = 128
 # Decode (the decode tile) only reads K/V, and an SM left idle is its share of the bandwidth lost:
 # when the heuristic's splits leave part of the single wave empty, raise them to fill it, as long
-# as each split keeps at least DECODE_FILL_MIN_BLOCKS key blocks. Measured on the H200 (32/8 heads,
-# d128, b1): 32k and 128k keys (16 and 64 blocks per split) 5% faster; 2k and 8k keys (1 and 4
-# blocks per split) 10-20% slower, where fixed costs and the combine dominate. (DECODE_FILL_WAVE is
-# a switch for benchmarks/tune_decode.py, which measures both ways.)
+# as each split keeps at least DECODE_FILL_MIN_BLOCKS key blocks (in shorter ones fixed costs and
+# the combine dominate). (DECODE_FILL_WAVE is a switch for benchmarks/tune_decode.py, which
+# measures both ways.) (measurements: benchmarks/results/tuning_history_h200.md)
 DECODE_FILL_WAVE = True
 DECODE_FILL_MIN_BLOCKS = 8
-# Decode splits count one CTA per SM even where two fit (the contiguous decode ring). H200, 32/8
-# heads, cuDNN / flashgen (benchmarks/tune_decode.py --rounds 2-3, "slots1" / "anyslots"): counting
-# two, d128 b4 x 8k 0.997 -> 0.932, b1 x 32k 0.990 -> 0.960, b16 x 32k 1.011 -> 0.989 (more, shorter
-# splits and the combine kernel); where two won (long splits of few tiles: d128 b4 x 128k 0.968 ->
-# 0.990, d96 b4 x 32k 0.797 -> 0.998), one per SM with the combine kernel instead of clusters won
-# more (1.008, 1.036: DECODE_CLUSTER_MAX_SPLIT_BLOCKS).
+# Decode splits count one CTA per SM even where two fit (the contiguous decode ring): counting two
+# gives more, shorter splits and the combine kernel, and loses; where two won, one per SM with the
+# combine kernel instead of clusters won more (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_SPLIT_CTAS_PER_SM = 1  # a switch for benchmarks/tune_decode.py ("slots<N>")
 # Decode splits of one tile merged in a cluster on sm_90+ (up to the portable cluster size, 8): no
-# partials in global memory and no combine kernel. Measured on the H200 (32/8 heads, d128, b1): the
-# combine costs 2.5-3 us a step (b1 2k: 10.0 us with it, 7.2 for the forward alone; merged in a
-# cluster 8.1). Where the heuristic wants more splits but keys are few (at most
-# DECODE_CLUSTER_MAX_BLOCKS key blocks), 8 merged in a cluster beat them (b1 8k: 14.4 us against 13
-# splits and the combine, 15.8); with more keys the extra splits' bandwidth wins (b1 128k, the
-# forward alone: 120 us with 16 splits, 128 with 8). Since the combine kernel's load slots follow
-# the split count (combine.cuh), 16 splits and the combine also beat 8 in a cluster at 128 blocks:
-# b1 x 16k, cuDNN / flashgen, d128 0.955 -> 0.989, d64 0.874 -> 0.960, d96 0.892 -> 1.010
-# (tune_decode.py --rounds 2-3, "cluster64"; benchmarks/results/20261130-nvidia-h200-decode-pairs/).
+# partials in global memory and no combine kernel. Where the heuristic wants more splits but keys
+# are few (at most DECODE_CLUSTER_MAX_BLOCKS key blocks), 8 merged in a cluster beat them; with more
+# keys the extra splits' bandwidth wins (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_CLUSTER_SPLITS = 8
 DECODE_CLUSTER_MAX_BLOCKS = 64
 # A cluster's CTAs start together, on SMs of one GPC with room for all of them: merged in clusters
-# only while the grid takes at most this share of the CTA slots (SMs x decode CTAs per SM).
-# H200, b4 x 8k / 32k keys, paged (one decode CTA per SM), 128 CTAs in clusters of 4: 59.8 / 208.7
-# us, with the combine kernel 40.0 / 128.8; contiguous (two CTAs per SM) in clusters: 37.1 / 126.7.
+# only while the grid takes at most this share of the CTA slots (SMs x decode CTAs per SM); fuller
+# grids run faster through the combine kernel (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_CLUSTER_MAX_FILL = 0.5
 # Clusters of more than two splits pay for short, latency-bound splits (at most this many key blocks
-# each: b1-b4 x 2k-8k keys), or grids of at most half the SMs (batch 1); longer splits of larger
-# grids merge through the combine kernel. H200, 32/8 heads, contiguous, cuDNN / flashgen, clusters ->
-# combine (tune_decode.py --rounds 2, "slots1" / "slots1/combine"): d128 b2 x 128k (8 splits of 128
-# blocks) 0.975 -> 1.002, b4 x 32k (4 of 64) 0.985 -> 1.004, b4 x 128k 0.968 -> 1.008, b4 x 8k
-# (4 of 16) 1.000 -> 0.994; d96 0.824 -> 1.028, 0.797 -> 1.036, 0.747 -> 1.021, 0.864 -> 1.033;
-# d64 0.913 -> 0.979, 0.909 -> 0.984, 0.898 -> 0.984, 0.965 -> 0.950. Clusters of two (b8) measured
-# 1.01-1.04x with splits of up to 512 blocks. Per instance head dim: at d64 and d128 splits of up
-# to 16 blocks merge better in clusters (same tool, "long16", after the combine's load-slot change:
-# d128 b4 x 8k 0.968 -> 0.990, b2 x 16k 0.989 -> 1.006; d64 b2 x 16k 0.961 -> 0.991). d96 merges
-# better through the combine kernel from 3 blocks a split ("long16" b4 x 8k 1.013 -> 0.863; "long2"
-# b4 x 4k 0.926 -> 1.001, b2 x 8k 0.980 -> 1.009, b4 x 2k 0.991 -> 1.001); d192 and d256 keep 8.
+# each, per instance head dim: d96 merges better through the combine from 3 blocks a split), or
+# grids of at most half the SMs (batch 1); longer splits of larger grids merge through the combine
+# kernel (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_CLUSTER_MAX_SPLIT_BLOCKS = {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
 MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
 # Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
@@ -109,10 +90,7 @@ MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measure
 # anything, for its completion; the launch latency between the two kernels is hidden. Only for
 # grids of at most DECODE_DEPENDENT_MAX_SM_SHARE of the SMs, or of more CTAs than the SMs hold at
 # once: a grid of about one CTA per SM, scheduled while the previous kernel still holds a CTA slot
-# of most SMs, is not spread one per SM. H200, 32/8 heads, d128, back-to-back steps
-# (tune_decode.py --rounds 3, us, dependent / plain): b1 x 8k 14.5 / 15.2, b1 x 16k 23.6 / 24.4,
-# b128 x 2k 243.9 / 244.7; dependent at about one CTA per SM: b16 x 2k 41.3 / 35.0, b4 x 4k
-# 26.4 / 22.0, b8 x 32k 251.8 / 241.1 (benchmarks/results/20261130-nvidia-h200-decode-pdl/).
+# of most SMs, is not spread one per SM (measurements: benchmarks/results/tuning_history_h200.md).
 DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
 DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
 # Decode whose K/V heads are adjacent in memory (head stride = head_dim, flash_attn's (..., nheads_k, d)
