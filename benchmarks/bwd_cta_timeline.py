@@ -25,22 +25,27 @@ from flashgen.runtime import launch
 EVENTS = ("start", "kv_landed", "first_stage", "first_step", "loop_done", "stored", "dq_drained")
 SLOTS = 8  # per CTA; slot 7 = steps << 32 | SM
 MAX_CTAS = 65536  # FLASHGEN_BWD_TIMELINE_CTAS in bwd_sm90.cuh
+SYMBOL = b"flashgen_bwd_timeline"
 
 
-def read_timeline(kernel: launch.LoadedKernel) -> torch.Tensor:
+def _timeline_buffer(kernel: launch.LoadedKernel, symbol: bytes):
     driver = launch._import_driver()
-    pointer, size = launch.check(driver.cuLibraryGetGlobal(kernel.library, b"flashgen_bwd_timeline"),
-                                 "finding the timeline buffer (is the variant compiled in?)")
+    pointer, size = launch.check(driver.cuLibraryGetGlobal(kernel.library, symbol),
+                                 f"finding {symbol.decode()} (is the timeline variant compiled in?)")
+    return driver, pointer, size
+
+
+def read_timeline(kernel: launch.LoadedKernel, symbol: bytes = SYMBOL, slots: int = SLOTS) -> torch.Tensor:
+    """The kernel module's timeline buffer, a row of ``slots`` stamps per CTA."""
+    driver, pointer, size = _timeline_buffer(kernel, symbol)
     copy = torch.empty(size // 8, dtype=torch.int64, device="cuda")
     launch.check(driver.cuMemcpyDtoD(copy.data_ptr(), pointer, size), "reading the timeline")
     torch.cuda.synchronize()
-    return copy.cpu().view(-1, SLOTS)
+    return copy.cpu().view(-1, slots)
 
 
-def clear_timeline(kernel: launch.LoadedKernel) -> None:
-    driver = launch._import_driver()
-    pointer, size = launch.check(driver.cuLibraryGetGlobal(kernel.library, b"flashgen_bwd_timeline"),
-                                 "finding the timeline buffer")
+def clear_timeline(kernel: launch.LoadedKernel, symbol: bytes = SYMBOL) -> None:
+    driver, pointer, size = _timeline_buffer(kernel, symbol)
     launch.check(driver.cuMemsetD8(pointer, 0, size), "clearing the timeline")
 
 

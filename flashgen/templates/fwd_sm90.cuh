@@ -39,7 +39,34 @@
 #include "sm90_common.cuh"
 #include "wgmma.cuh"  // rendered by flashgen/generator/wgmma.py
 
+#if defined(FLASHGEN_FWD_SM90_MEASURE_TIMELINE) && FLASHGEN_FWD_SM90_MEASURE_TIMELINE
+// A measurement variant (benchmarks/fwd_cta_timeline.py reads it back): global-timer stamps of a
+// CTA's first FLASHGEN_FWD_TIMELINE_TILES tiles (its start, its last P·V done, O stored), and in
+// the last slot the SM and the tiles the CTA ran.
+#define FLASHGEN_FWD_TIMELINE_CTAS 65536
+#define FLASHGEN_FWD_TIMELINE_TILES 5
+extern "C" {
+__device__ unsigned long long flashgen_fwd_timeline[FLASHGEN_FWD_TIMELINE_CTAS * 16];
+}
+#endif
+
 namespace flashgen {
+
+enum FwdTimelineEvent { kTileStart, kTileMmaDone, kTileStored };
+
+__device__ __forceinline__ void fwd_timeline_stamp(int tile, int event) {
+#if defined(FLASHGEN_FWD_SM90_MEASURE_TIMELINE) && FLASHGEN_FWD_SM90_MEASURE_TIMELINE
+    if (blockIdx.x >= FLASHGEN_FWD_TIMELINE_CTAS) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (tile < FLASHGEN_FWD_TIMELINE_TILES) flashgen_fwd_timeline[blockIdx.x * 16 + tile * 3 + event] = now;
+    if (event == kTileStored) {
+        uint32_t sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        flashgen_fwd_timeline[blockIdx.x * 16 + 15] = (uint64_t(tile + 1) << 32) | sm;
+    }
+#endif
+}
 
 // The sm90 forward's one parameter: three tensor maps (Q, K, V as (d, rows, heads, batch); Q
 // packed as (d, heads of a group, rows, KV heads, batch)) and the FwdParams every forward takes.
@@ -560,6 +587,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         // it + 1's Q·Kᵀ, so that the softmax of block it + 1 runs while the tensor cores add block it
         // to O (FlashAttention-3's intra-warpgroup overlap); O is rescaled once that MMA has finished.
         // Otherwise each block's two MMAs and its softmax follow one another.
+        bool const stamps = tid == Tr::kNThreads - Tr::kConsumerThreads;  // the first consumer thread
+        if (stamps) fwd_timeline_stamp(tile_count, kTileStart);
         mbar_wait(bar_q, tile_count & 1);
         if (n_blocks == 0) mbar_arrive(bar_q_empty);  // rows that see no key: Q is not read
         if (n_blocks > 0 && n_block_max * kBlockN > seqlen_k) clear_v_tail(stage_of(0), parity_of(0));
@@ -649,6 +678,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
         }
 
         used += n_blocks;
+        if (stamps) fwd_timeline_stamp(tile_count, kTileMmaDone);
 
         // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global;
         // the sequence's rows start at q_offset (varlen); a packed row is (query, head).
@@ -679,6 +709,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                     }
                 }
             }
+            if (stamps) fwd_timeline_stamp(tile_count, kTileStored);
             ++tile_count;
             continue;
         }
@@ -704,6 +735,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 }
             }
         }
+        if (stamps) fwd_timeline_stamp(tile_count, kTileStored);
         ++tile_count;
     }
 }
