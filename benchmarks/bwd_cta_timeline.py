@@ -13,14 +13,13 @@ another implementation's.
 import argparse
 import itertools
 import json
-import os
 import statistics
 
 import torch
 
 import flashgen
-from flashgen.generator import cache
 from flashgen.runtime import launch
+from tune_bwd_sm90 import use_variant
 
 EVENTS = ("start", "kv_landed", "first_stage", "first_step", "loop_done", "stored", "dq_drained")
 SLOTS = 8  # per CTA; slot 7 = steps << 32 | SM
@@ -89,24 +88,41 @@ def summarize(rows: torch.Tensor) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dims", default="64,128")
+def timeline_args(description: str, head_dims: str) -> argparse.ArgumentParser:
+    """The timeline scripts' options: the shape grid, the variant's other defines, the JSON out."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default=head_dims)
     parser.add_argument("--seqlens", default="1024,16384")
     parser.add_argument("--causal", action="store_true", help="causal shapes as well")
-    parser.add_argument("--gqa", type=int, default=1)
     parser.add_argument("--defines", default="", help="other defines of the variant, joined by +")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    defines = ["FLASHGEN_BWD_SM90_MEASURE_TIMELINE=1", *filter(None, args.defines.split("+"))]
-    os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(f"-D{d}" for d in defines)
-    launch._loaded.clear()
-    cache._cubins.clear()
-    results = {}
+    return parser
+
+
+def timeline_shapes(args: argparse.Namespace, timeline_define: str):
+    """Compile the timeline variant (its define and --defines), then yield (head_dim, seqlen,
+    causal, batch, nheads) of the grid: 16k tokens, hidden 2048."""
+    use_variant("+".join([timeline_define, *filter(None, args.defines.split("+"))]))
     for head_dim, seqlen, causal in itertools.product(
             (int(d) for d in args.head_dims.split(",")), (int(s) for s in args.seqlens.split(",")),
             (False, True) if args.causal else (False,)):
-        batch, nheads = 16384 // seqlen, 2048 // head_dim
+        yield head_dim, seqlen, causal, 16384 // seqlen, 2048 // head_dim
+
+
+def finish_timeline(args: argparse.Namespace, results: dict) -> None:
+    """Back to the shipped kernels; the results to --out as JSON."""
+    use_variant("default")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+def main() -> None:
+    parser = timeline_args(__doc__, "64,128")
+    parser.add_argument("--gqa", type=int, default=1)
+    args = parser.parse_args()
+    results = {}
+    for head_dim, seqlen, causal, batch, nheads in timeline_shapes(args, "FLASHGEN_BWD_SM90_MEASURE_TIMELINE=1"):
         q = torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(batch, seqlen, nheads // args.gqa, head_dim, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True) for _ in range(2))
@@ -135,10 +151,7 @@ def main() -> None:
               f"mean {summary['gap_us_mean']:.2f} µs")
         for phase, us in summary["phases_us"].items():
             print(f"    {phase:<28} {us:8.2f} µs")
-    os.environ.pop("FLASHGEN_NVRTC_EXTRA_OPTIONS", None)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    finish_timeline(args, results)
 
 
 if __name__ == "__main__":

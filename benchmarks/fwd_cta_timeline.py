@@ -9,17 +9,12 @@ per shape the mean of each phase and the gap between one tile's stores and the n
 bf16, 16k tokens, hidden 2048 (bench_bwd_peers.py's shapes). The stamps are a few global stores a
 tile: compare phases with each other, not the totals with another implementation's.
 """
-import argparse
-import itertools
-import json
-import os
 import statistics
 
 import torch
 
 import flashgen
-from bwd_cta_timeline import clear_timeline, read_timeline
-from flashgen.generator import cache
+from bwd_cta_timeline import clear_timeline, finish_timeline, read_timeline, timeline_args, timeline_shapes
 from flashgen.runtime import launch
 
 SLOTS = 16  # per CTA: 3 stamps for each of the first TILES tiles; slot 15 = tiles << 32 | SM
@@ -46,22 +41,9 @@ def summarize(rows: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dims", default="64,128,256")
-    parser.add_argument("--seqlens", default="1024,16384")
-    parser.add_argument("--causal", action="store_true", help="causal shapes as well")
-    parser.add_argument("--defines", default="", help="other defines of the variant, joined by +")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    defines = ["FLASHGEN_FWD_SM90_MEASURE_TIMELINE=1", *filter(None, args.defines.split("+"))]
-    os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(f"-D{d}" for d in defines)
-    launch._loaded.clear()
-    cache._cubins.clear()
+    args = timeline_args(__doc__, "64,128,256").parse_args()
     results = {}
-    for head_dim, seqlen, causal in itertools.product(
-            (int(d) for d in args.head_dims.split(",")), (int(s) for s in args.seqlens.split(",")),
-            (False, True) if args.causal else (False,)):
-        batch, nheads = 16384 // seqlen, 2048 // head_dim
+    for head_dim, seqlen, causal, batch, nheads in timeline_shapes(args, "FLASHGEN_FWD_SM90_MEASURE_TIMELINE=1"):
         q, k, v = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         for _ in range(3):
@@ -80,10 +62,7 @@ def main() -> None:
         print(f"{label}: {summary['ctas']} CTAs, {summary['tiles_stamped']} tiles stamped; a tile's loop "
               f"{summary['loop_us']:.2f} µs, its epilogue {summary['epilogue_us']:.2f} µs, then "
               f"{summary['gap_to_next_tile_us']:.2f} µs to the next tile's start")
-    os.environ.pop("FLASHGEN_NVRTC_EXTRA_OPTIONS", None)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    finish_timeline(args, results)
 
 
 if __name__ == "__main__":
