@@ -18,7 +18,6 @@ from .dropout import NO_DROPOUT_PARAMS
 from .execute import LOG2E, chunk_aligned, ptr_or_null, row_strides, whole_chunks
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BwdPlan:
     spec: KernelSpec
@@ -95,7 +94,6 @@ def flash_bwd(
     loops over the group, so no expanded buffer is needed. Varlen (cu_seqlens_q/k): q, k, v are
     (total, heads, d), lse is (nheads, total_q).
     """
-
     varlen = cu_seqlens_q is not None
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]

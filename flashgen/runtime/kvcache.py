@@ -15,7 +15,6 @@ from .dispatch import dtype_name, plan_fwd
 from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, launch_combine, pad_head_dim, run_fwd
 
 
-
 def flash_attn_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
     cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
