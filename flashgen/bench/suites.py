@@ -375,6 +375,22 @@ def host_overheads() -> dict:
             result[name] = {"us": timing.enqueue_us(call)}
         except Exception as exc:  # a peer that refuses the shape is a note, not a number
             result[name] = {"skipped": describe(exc)}
+    # The backward (autograd.grad of a kept graph: preprocess, main kernel, postprocess), next to
+    # SDPA's; 50 calls a sample, so that the launches stay within the launch queue.
+    forwards = {
+        "flashgen backward (autograd.grad), b1 s128 h16 d128": flashgen.flash_attn_func,
+        "SDPA backward (default backend), same shape":
+            lambda q, k, v: F.scaled_dot_product_attention(*peers.bhsd(q, k, v)),
+    }
+    for name, forward in forwards.items():
+        try:
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            out = forward(*leaves)
+            dout = torch.randn_like(out)
+            result[name] = {"us": timing.enqueue_us(
+                lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), calls=50)}
+        except Exception as exc:
+            result[name] = {"skipped": describe(exc)}
     return result
 
 

@@ -84,19 +84,19 @@ def rotated_us(calls: Sequence[Callable[[], object]], graph: bool) -> float:
     return cuda_event_median_ms(run, warmup=2, runs=rounds) * 1e3 / len(calls)
 
 
-def enqueue_us(fn: Callable[[], object], repeats: int = 5) -> float:
+def enqueue_us(fn: Callable[[], object], repeats: int = 5, calls: int = ENQUEUE_CALLS) -> float:
     """Host time to enqueue one call, without synchronizing: median over repeats of the mean over
-    ENQUEUE_CALLS calls queued behind a sleeping kernel, so the GPU never waits for the host and
-    never makes the host wait."""
+    ``calls`` calls queued behind a sleeping kernel, so the GPU never waits for the host and never
+    makes the host wait. (Calls of several launches take fewer, to stay within the launch queue.)"""
     fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         torch.cuda._sleep(200_000_000)  # ~0.1 s at 2 GHz: longer than the enqueueing below
         start = time.perf_counter()
-        for _ in range(ENQUEUE_CALLS):
+        for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / ENQUEUE_CALLS * 1e6)
+        samples.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return statistics.median(samples)
 
