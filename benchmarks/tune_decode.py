@@ -11,12 +11,13 @@ With --rounds N every candidate is measured N times in turn (cuDNN before and af
 and the summary gives medians.
 """
 import argparse
+import dataclasses
 import os
 import statistics
 
 from flashgen.bench import peers, suites, timing
 from flashgen.generator import cache, tiles
-from flashgen.runtime import dispatch, execute, launch
+from flashgen.runtime import dispatch, launch, tuning
 
 SHAPES = {  # name -> (batch, keys, query tokens)
     "b1-s2k": (1, 2048, 1),
@@ -54,62 +55,66 @@ SHAPES = {  # name -> (batch, keys, query tokens)
 #   shared<N>   two CTAs per SM take rings of up to N buffers (tiles.DECODE_MAX_SHARED_RING)
 #   pagedring   paged caches take the contiguous tile's ring; an odd ring takes K and V blocks in
 #               turn, an even one keeps them in pairs (tiles.DECODE_PAGED_SHARED_RING)
-#   combine     split-KV partials merged by the combine kernel, not in a cluster (dispatch.MERGE_IN_CLUSTER)
-#   nopdl       that combine launched normally, not as a programmatic dependent (execute.DEPENDENT_COMBINE)
-#   nopdlfwd    the forward launched normally, not as a programmatic dependent (dispatch.DECODE_DEPENDENT_LAUNCH)
-#   pdlany      the forward a programmatic dependent at any grid size (dispatch.DECODE_DEPENDENT_MAX_SM_SHARE)
-#   slots<N>    split counts for up to N decode CTAs per SM (dispatch.DECODE_SPLIT_CTAS_PER_SM)
-#   cluster<N>  splits cut to a cluster's up to N key blocks (dispatch.DECODE_CLUSTER_MAX_BLOCKS)
+#   combine     split-KV partials merged by the combine kernel, not in a cluster (Tuning.merge_in_cluster)
+#   nopdl       that combine launched normally, not as a programmatic dependent (Tuning.dependent_combine)
+#   nopdlfwd    the forward launched normally, not as a programmatic dependent (Tuning.decode_dependent_launch)
+#   pdlany      the forward a programmatic dependent at any grid size (Tuning.decode_dependent_max_sm_share)
+#   slots<N>    split counts for up to N decode CTAs per SM (Tuning.decode_split_ctas_per_sm)
+#   cluster<N>  splits cut to a cluster's up to N key blocks (Tuning.decode_cluster_max_blocks)
 #   long<N>     clusters of more than two splits for splits of up to N key blocks
-#               (dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS)
-#   nofill      the split heuristic's count as is (dispatch.DECODE_FILL_WAVE)
-#   fill<N>     the wave filled while each split keeps N key blocks (dispatch.DECODE_FILL_MIN_BLOCKS)
-#   pairs       two adjacent KV heads per CTA at d64/d96/d128 and any grid (dispatch.DECODE_PAIRED_HEAD_DIMS,
-#               DECODE_PAIR_MIN_SM_SHARE); heads-first memory never pairs
+#               (Tuning.decode_cluster_max_split_blocks)
+#   nofill      the split heuristic's count as is (Tuning.decode_fill_wave)
+#   fill<N>     the wave filled while each split keeps N key blocks (Tuning.decode_fill_min_blocks)
+#   pairs       two adjacent KV heads per CTA at d64/d96/d128 and any grid (Tuning.decode_paired_head_dims,
+#               decode_pair_min_sm_share); heads-first memory never pairs
 #   nopairs     one KV head per CTA
 #   pairs<P>    pairs (at the default head dims) where the paired grid has at least P% of the SMs'
-#               count in tiles (dispatch.DECODE_PAIR_MIN_SM_SHARE)
+#               count in tiles (Tuning.decode_pair_min_sm_share)
 #   -D<NAME>=<V> an NVRTC define for the candidate's kernels (FLASHGEN_NVRTC_EXTRA_OPTIONS)
-# The knobs each option sets, restored before every candidate and at the end.
+# The tile table's knobs the options set (module globals of generator/tiles.py), restored before
+# every candidate and at the end; the plan's knobs are a Tuning value (runtime/tuning.py).
 KNOBS = [(tiles, "FWD_DECODE_TILE"), (tiles, "DECODE_MIN_SHARED_RING"), (tiles, "DECODE_MAX_SHARED_RING"),
-         (tiles, "DECODE_PAGED_SHARED_RING"),
-         (dispatch, "MERGE_IN_CLUSTER"), (execute, "DEPENDENT_COMBINE"), (dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
-         (dispatch, "DECODE_CLUSTER_MAX_SPLIT_BLOCKS"), (dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
-         (dispatch, "DECODE_FILL_WAVE"), (dispatch, "DECODE_FILL_MIN_BLOCKS"), (dispatch, "DECODE_DEPENDENT_LAUNCH"),
-         (dispatch, "DECODE_DEPENDENT_MAX_SM_SHARE"), (dispatch, "DECODE_PAIRED_HEAD_DIMS"),
-         (dispatch, "DECODE_PAIR_MIN_SM_SHARE")]
+         (tiles, "DECODE_PAGED_SHARED_RING")]
 
 
-def apply_options(options: tuple[str, ...]) -> None:
+def apply_options(options: tuple[str, ...]) -> tuning.Tuning:
+    """Set the tile table's knobs of the options; return the plan's Tuning of them."""
     def number(prefix: str):
         return next((int(o[len(prefix):]) for o in options if o.startswith(prefix) and o[len(prefix):].isdigit()), None)
 
     tiles.DECODE_PAGED_SHARED_RING |= "pagedring" in options
-    dispatch.MERGE_IN_CLUSTER &= "combine" not in options
-    execute.DEPENDENT_COMBINE &= "nopdl" not in options
-    dispatch.DECODE_DEPENDENT_LAUNCH &= "nopdlfwd" not in options
-    if "pdlany" in options:
-        dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = float("inf")
-    dispatch.DECODE_FILL_WAVE &= "nofill" not in options
-    if "pairs" in options:
-        dispatch.DECODE_PAIRED_HEAD_DIMS, dispatch.DECODE_PAIR_MIN_SM_SHARE = frozenset({64, 96, 128}), 0
-    if number("pairs") is not None:
-        dispatch.DECODE_PAIR_MIN_SM_SHARE = number("pairs") / 100
-    if "nopairs" in options:
-        dispatch.DECODE_PAIRED_HEAD_DIMS = frozenset()
-    for prefix, module, name in (("shared", tiles, "DECODE_MAX_SHARED_RING"),
-                                 ("slots", dispatch, "DECODE_SPLIT_CTAS_PER_SM"),
-                                 ("cluster", dispatch, "DECODE_CLUSTER_MAX_BLOCKS"),
-                                 ("fill", dispatch, "DECODE_FILL_MIN_BLOCKS")):
-        if number(prefix) is not None:
-            setattr(module, name, number(prefix))
-    if number("long") is not None:
-        dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS = dict.fromkeys(dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS, number("long"))
+    if number("shared") is not None:
+        tiles.DECODE_MAX_SHARED_RING = number("shared")
+    if "solo" in options:  # no shared ring qualifies
+        tiles.DECODE_MIN_SHARED_RING = max(tiles.FWD_DECODE_TILE.kv_buffers, tiles.DECODE_MAX_SHARED_RING) + 1
     defines = [o for o in options if o.startswith("-D")]
     if defines:
         os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(defines)
-    if "solo" in options:  # no shared ring qualifies
-        tiles.DECODE_MIN_SHARED_RING = max(tiles.FWD_DECODE_TILE.kv_buffers, tiles.DECODE_MAX_SHARED_RING) + 1
+    changes = {}
+    if "combine" in options:
+        changes["merge_in_cluster"] = False
+    if "nopdl" in options:
+        changes["dependent_combine"] = False
+    if "nopdlfwd" in options:
+        changes["decode_dependent_launch"] = False
+    if "pdlany" in options:
+        changes["decode_dependent_max_sm_share"] = float("inf")
+    if "nofill" in options:
+        changes["decode_fill_wave"] = False
+    if "pairs" in options:
+        changes.update(decode_paired_head_dims=frozenset({64, 96, 128}), decode_pair_min_sm_share=0)
+    if number("pairs") is not None:
+        changes["decode_pair_min_sm_share"] = number("pairs") / 100
+    if "nopairs" in options:
+        changes["decode_paired_head_dims"] = frozenset()
+    for prefix, field in (("slots", "decode_split_ctas_per_sm"), ("cluster", "decode_cluster_max_blocks"),
+                          ("fill", "decode_fill_min_blocks")):
+        if number(prefix) is not None:
+            changes[field] = number(prefix)
+    if number("long") is not None:
+        changes["decode_cluster_max_split_blocks"] = tuple(
+            (head_dim, number("long")) for head_dim, _ in tuning.DEFAULT.decode_cluster_max_split_blocks)
+    return dataclasses.replace(tuning.DEFAULT, **changes)
 
 
 CANDIDATES = [(16, 128, 4, 4, 4, ()), (16, 128, 4, 4, 4, ("solo",)), (16, 128, 4, 2, 4, ()),
@@ -187,8 +192,8 @@ def main() -> None:
         for block_m, block_n, warps, buffers, warps_n, options in candidates:
             restore()
             tiles.FWD_DECODE_TILE = tiles.FwdTile(block_m, block_n, warps, buffers, warps_n)
-            apply_options(options)
-            measure(" ".join([f"{block_m}x{block_n} w{warps}/{warps_n} b{buffers}", *options]), flashgen)
+            with tuning.use(apply_options(options)):
+                measure(" ".join([f"{block_m}x{block_n} w{warps}/{warps_n} b{buffers}", *options]), flashgen)
         measure("cuDNN", cudnn)  # again: drift over the run shows as a difference between the two
     restore()
 

@@ -434,8 +434,8 @@ def test_kernel_on_host_matches_reference(monkeypatch, host_kernel, num_splits, 
 def test_cluster_merge_size_matches_the_dispatcher():
     """fwd_sm80.cuh's cluster merge reads at most kMaxClusterSplits splits: the dispatcher merges
     no more in a cluster."""
-    from flashgen.runtime import dispatch
+    from flashgen.runtime import tuning
 
     source = (TEMPLATES / "fwd_sm80.cuh").read_text()
     match = re.search(r"constexpr int kMaxClusterSplits = (\d+);", source)
-    assert match and int(match.group(1)) == dispatch.DECODE_CLUSTER_SPLITS <= 8  # the portable cluster size
+    assert match and int(match.group(1)) == tuning.DEFAULT.decode_cluster_splits <= 8  # the portable cluster size

@@ -5,6 +5,8 @@ import pytest
 
 from flashgen.generator.matrix import is_in_matrix
 from flashgen.runtime.dispatch import instance_head_dim, plan_fwd, resolve_mask
+from flashgen.runtime.tuning import DEFAULT as DEFAULT_TUNING
+from flashgen.runtime.tuning import Tuning
 
 
 def plan(**overrides):
@@ -149,7 +151,7 @@ def test_plan_splits():
 
 
 def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_clusters():
-    from flashgen.runtime import dispatch, heuristics
+    from flashgen.runtime import heuristics
     from flashgen.runtime.dispatch import DeviceInfo
 
     h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
@@ -186,7 +188,7 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     # merges in clusters at d128 and d64, through the combine kernel at d96 (as b4 x 4k, 4 splits of
     # 8 blocks, does there), and with 32k keys (64 blocks a split) at d128 too; b8 x 128k (2 of 512)
     # in clusters.
-    assert dispatch.DECODE_CLUSTER_MAX_SPLIT_BLOCKS == {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
+    assert dict(DEFAULT_TUNING.decode_cluster_max_split_blocks) == {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
     assert plan(seqlen_k=4096, **b4).merge_in_cluster and not plan(seqlen_k=4096, head_dim=96, **b4).merge_in_cluster
     p = plan(seqlen_k=8192, **b4)
     assert p.num_splits == 4 and p.merge_in_cluster
@@ -205,20 +207,15 @@ def test_plan_splits_drop_empty_splits_fill_the_decode_wave_and_merge_in_cluster
     prefill = dict(batch=1, nheads=8, nheads_k=8, seqlen_q=128, seqlen_k=32768, num_splits=0, device=h200)
     prefill_splits = plan(**prefill).num_splits
     assert not plan(**prefill).merge_in_cluster
-    dispatch.plan_fwd.cache_clear()
-    try:
-        dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = False
-        assert plan(seqlen_k=32768, **decode).num_splits == 15
-        p = plan(seqlen_k=8192, **decode)  # 15 splits of 5 blocks: 13 with keys
-        assert p.num_splits == 13 and not p.merge_in_cluster
-        assert plan(**prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
-    finally:
-        dispatch.DECODE_FILL_WAVE = dispatch.MERGE_IN_CLUSTER = True
-        dispatch.plan_fwd.cache_clear()
+    plain = Tuning(decode_fill_wave=False, merge_in_cluster=False)
+    assert plan(seqlen_k=32768, tuning=plain, **decode).num_splits == 15
+    p = plan(seqlen_k=8192, tuning=plain, **decode)  # 15 splits of 5 blocks: 13 with keys
+    assert p.num_splits == 13 and not p.merge_in_cluster
+    assert plan(tuning=plain, **prefill).num_splits == prefill_splits  # prefill tiles keep the heuristic's count
+    assert plan(seqlen_k=8192, **decode).merge_in_cluster  # the memo keys on the tuning
 
 
 def test_plan_decode_is_a_dependent_launch_on_sm90_only():
-    from flashgen.runtime import dispatch
     from flashgen.runtime.dispatch import DeviceInfo
 
     h200 = DeviceInfo((9, 0), num_sms=132, l2_bytes=60 * 2**20, smem_per_sm=228 * 1024)
@@ -236,61 +233,47 @@ def test_plan_decode_is_a_dependent_launch_on_sm90_only():
     assert not plan(device=a100, **decode).dependent_launch  # griddepcontrol is sm_90+
     # Prefill tiles keep the plain launch.
     assert not plan(device=h200, **{**decode, "seqlen_q": 512}).dependent_launch
-    dispatch.plan_fwd.cache_clear()
-    try:
-        dispatch.DECODE_DEPENDENT_LAUNCH = False
-        assert not plan(device=h200, **decode).dependent_launch
-        dispatch.DECODE_DEPENDENT_LAUNCH, dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = True, float("inf")
-        assert plan(device=h200, **{**decode, "batch": 4, "seqlen_k": 4096}).dependent_launch
-    finally:
-        dispatch.DECODE_DEPENDENT_LAUNCH, dispatch.DECODE_DEPENDENT_MAX_SM_SHARE = True, 0.5
-        dispatch.plan_fwd.cache_clear()
+    assert not plan(device=h200, tuning=Tuning(decode_dependent_launch=False), **decode).dependent_launch
+    any_grid = Tuning(decode_dependent_max_sm_share=float("inf"))
+    assert plan(device=h200, tuning=any_grid, **{**decode, "batch": 4, "seqlen_k": 4096}).dependent_launch
 
 
-def test_plan_decode_pairs_adjacent_kv_heads(monkeypatch):
-    """Decode over adjacent KV heads at the head dims of DECODE_PAIRED_HEAD_DIMS reads two heads per
-    CTA on the instance of twice the head dim (half the grid's heads, packed rows of both), for grids
-    of DECODE_PAIR_MIN_SM_SHARE of the SMs; every condition it needs is checked."""
-    from flashgen.runtime import dispatch
-
+def test_plan_decode_pairs_adjacent_kv_heads():
+    """Decode over adjacent KV heads at the head dims of Tuning.decode_paired_head_dims reads two heads
+    per CTA on the instance of twice the head dim (half the grid's heads, packed rows of both), for
+    grids of decode_pair_min_sm_share of the SMs; every condition it needs is checked."""
     # The default: d64 and d96, from 66 paired tiles on 132 SMs (32 x 8 KV heads, not 16 x 8).
-    assert dispatch.DECODE_PAIRED_HEAD_DIMS == {64, 96} and dispatch.DECODE_PAIR_MIN_SM_SHARE == 0.5
-    dispatch.plan_fwd.cache_clear()
-    try:
-        large = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True)
-        assert plan(head_dim=96, **{**large, "batch": 32}).kv_head_group == 2
-        assert plan(head_dim=64, **{**large, "batch": 32}).kv_head_group == 2
-        assert plan(head_dim=128, **{**large, "batch": 32}).kv_head_group == 1
-        assert plan(head_dim=96, **{**large, "batch": 16}).kv_head_group == 1
-        monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset({64, 96, 128}))
-        monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
-        dispatch.plan_fwd.cache_clear()
-        decode = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True)
-        for head_dim in (64, 96, 128):
-            p = plan(head_dim=head_dim, **decode)
-            single = plan(head_dim=head_dim, **{**decode, "kv_heads_adjacent": False})
-            assert p.kv_head_group == 2 and single.kv_head_group == 1
-            assert p.spec.head_dim == 2 * head_dim and p.spec.decode and p.spec.pack_gqa and is_in_matrix(p.spec)
-            assert p.grid[1] == 4 and single.grid[1] == 8
-        paged = plan(head_dim=96, paged=True, page_size=16, **decode)
-        assert paged.kv_head_group == 2 and paged.spec.paged and paged.spec.head_dim == 192
-        # MHA packs its pairs (two rows per tile); causal rows of two query tokens still fit a block.
-        mha = plan(head_dim=96, **{**decode, "nheads": 8, "nheads_k": 8})
-        assert mha.kv_head_group == 2 and mha.spec.pack_gqa and mha.grid[1] == 4
-        assert plan(head_dim=128, causal=True, **{**decode, "seqlen_q": 2}).kv_head_group == 2
-        # Not: another head dim, an odd KV head count, rows of two heads past one decode row block,
-        # pack_gqa=False, heads-first memory, prefill.
-        assert plan(head_dim=80, **decode).kv_head_group == 1
-        assert plan(head_dim=256, **decode).kv_head_group == 1
-        assert plan(head_dim=96, **{**decode, "nheads": 24, "nheads_k": 3}).kv_head_group == 1
-        assert plan(head_dim=96, **{**decode, "seqlen_q": 3}).kv_head_group == 1  # 24 rows
-        assert plan(head_dim=96, pack_gqa=False, **decode).kv_head_group == 1
-        assert plan(head_dim=96, **{**decode, "seqlen_q": 512}).kv_head_group == 1
-        monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset())
-        dispatch.plan_fwd.cache_clear()
-        assert plan(head_dim=96, **decode).kv_head_group == 1
-    finally:
-        dispatch.plan_fwd.cache_clear()
+    assert DEFAULT_TUNING.decode_paired_head_dims == {64, 96} and DEFAULT_TUNING.decode_pair_min_sm_share == 0.5
+    large = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True)
+    assert plan(head_dim=96, **{**large, "batch": 32}).kv_head_group == 2
+    assert plan(head_dim=64, **{**large, "batch": 32}).kv_head_group == 2
+    assert plan(head_dim=128, **{**large, "batch": 32}).kv_head_group == 1
+    assert plan(head_dim=96, **{**large, "batch": 16}).kv_head_group == 1
+    any_grid = Tuning(decode_paired_head_dims=frozenset({64, 96, 128}), decode_pair_min_sm_share=0)
+    decode = dict(nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=8192, num_splits=0, kv_heads_adjacent=True,
+                  tuning=any_grid)
+    for head_dim in (64, 96, 128):
+        p = plan(head_dim=head_dim, **decode)
+        single = plan(head_dim=head_dim, **{**decode, "kv_heads_adjacent": False})
+        assert p.kv_head_group == 2 and single.kv_head_group == 1
+        assert p.spec.head_dim == 2 * head_dim and p.spec.decode and p.spec.pack_gqa and is_in_matrix(p.spec)
+        assert p.grid[1] == 4 and single.grid[1] == 8
+    paged = plan(head_dim=96, paged=True, page_size=16, **decode)
+    assert paged.kv_head_group == 2 and paged.spec.paged and paged.spec.head_dim == 192
+    # MHA packs its pairs (two rows per tile); causal rows of two query tokens still fit a block.
+    mha = plan(head_dim=96, **{**decode, "nheads": 8, "nheads_k": 8})
+    assert mha.kv_head_group == 2 and mha.spec.pack_gqa and mha.grid[1] == 4
+    assert plan(head_dim=128, causal=True, **{**decode, "seqlen_q": 2}).kv_head_group == 2
+    # Not: another head dim, an odd KV head count, rows of two heads past one decode row block,
+    # pack_gqa=False, heads-first memory, prefill.
+    assert plan(head_dim=80, **decode).kv_head_group == 1
+    assert plan(head_dim=256, **decode).kv_head_group == 1
+    assert plan(head_dim=96, **{**decode, "nheads": 24, "nheads_k": 3}).kv_head_group == 1
+    assert plan(head_dim=96, **{**decode, "seqlen_q": 3}).kv_head_group == 1  # 24 rows
+    assert plan(head_dim=96, pack_gqa=False, **decode).kv_head_group == 1
+    assert plan(head_dim=96, **{**decode, "seqlen_q": 512}).kv_head_group == 1
+    never = dataclasses.replace(any_grid, decode_paired_head_dims=frozenset())
+    assert plan(head_dim=96, **{**decode, "tuning": never}).kv_head_group == 1
 
 
 def test_plan_paged_forces_packing():
@@ -707,3 +690,20 @@ def test_bwd_row_threads_and_grid(head_dim, threads):
     for rows in (1, rows_per_cta - 1, rows_per_cta, rows_per_cta + 1, 16 * 1024 * 32):
         blocks = bwd_row_grid(rows, head_dim)[0]
         assert (blocks - 1) * rows_per_cta < rows <= blocks * rows_per_cta
+
+
+def test_tuning_use_changes_the_current_tuning_for_a_block():
+    from flashgen.runtime import tuning
+
+    assert tuning.current() is DEFAULT_TUNING
+    with tuning.use(merge_in_cluster=False) as outer:
+        assert tuning.current() is outer and not outer.merge_in_cluster
+        with tuning.use(decode_fill_wave=False) as inner:  # on top of the current one
+            assert not inner.merge_in_cluster and not inner.decode_fill_wave
+        assert tuning.current() is outer
+    assert tuning.current() is DEFAULT_TUNING
+    with pytest.raises(TypeError):
+        with tuning.use(no_such_knob=1):
+            pass
+    assert tuning.current() is DEFAULT_TUNING
+    assert hash(Tuning(decode_paired_head_dims=frozenset({64}))) != hash(DEFAULT_TUNING)  # a memo key

@@ -12,6 +12,8 @@ from ..generator import tiles as tile_table
 from ..generator.spec import HEAD_DIMS, KernelSpec
 from ..generator.tiles import DECODE_MAX_ROWS, SM90_BLOCK_M, FwdTile, fwd_tile
 from . import heuristics
+from .tuning import DEFAULT as DEFAULT_TUNING
+from .tuning import Tuning
 
 logger = logging.getLogger("flashgen")
 
@@ -45,9 +47,9 @@ class FwdPlan:
     # merge through distributed shared memory, without the combine kernel (fwd_sm80.cuh).
     merge_in_cluster: bool = False
     # Launched as a programmatic dependent of the kernel before it on the stream (decode on sm_90+,
-    # DECODE_DEPENDENT_LAUNCH): its CTAs wait in griddepcontrol.wait for that kernel's end.
+    # Tuning.decode_dependent_launch): its CTAs wait in griddepcontrol.wait for that kernel's end.
     dependent_launch: bool = False
-    # KV heads each CTA reads: 2 for decode over pairs of adjacent heads (DECODE_PAIRED_HEAD_DIMS),
+    # KV heads each CTA reads: 2 for decode over pairs of adjacent heads (Tuning.decode_paired_head_dims),
     # on the instance of twice the head dim; the grid's heads are then nheads_k / 2.
     kv_head_group: int = 1
 
@@ -57,51 +59,6 @@ class FwdPlan:
 
 
 MAX_SPLITS = 128
-# Decode (the decode tile) only reads K/V, and an SM left idle is its share of the bandwidth lost:
-# when the heuristic's splits leave part of the single wave empty, raise them to fill it, as long
-# as each split keeps at least DECODE_FILL_MIN_BLOCKS key blocks (in shorter ones fixed costs and
-# the combine dominate). (DECODE_FILL_WAVE is a switch for benchmarks/tune_decode.py, which
-# measures both ways.) (measurements: benchmarks/results/tuning_history_h200.md)
-DECODE_FILL_WAVE = True
-DECODE_FILL_MIN_BLOCKS = 8
-# Decode splits count one CTA per SM even where two fit (the contiguous decode ring): counting two
-# gives more, shorter splits and the combine kernel, and loses; where two won, one per SM with the
-# combine kernel instead of clusters won more (measurements: benchmarks/results/tuning_history_h200.md).
-DECODE_SPLIT_CTAS_PER_SM = 1  # a switch for benchmarks/tune_decode.py ("slots<N>")
-# Decode splits of one tile merged in a cluster on sm_90+ (up to the portable cluster size, 8): no
-# partials in global memory and no combine kernel. Where the heuristic wants more splits but keys
-# are few (at most DECODE_CLUSTER_MAX_BLOCKS key blocks), 8 merged in a cluster beat them; with more
-# keys the extra splits' bandwidth wins (measurements: benchmarks/results/tuning_history_h200.md).
-DECODE_CLUSTER_SPLITS = 8
-DECODE_CLUSTER_MAX_BLOCKS = 64
-# A cluster's CTAs start together, on SMs of one GPC with room for all of them: merged in clusters
-# only while the grid takes at most this share of the CTA slots (SMs x decode CTAs per SM); fuller
-# grids run faster through the combine kernel (measurements: benchmarks/results/tuning_history_h200.md).
-DECODE_CLUSTER_MAX_FILL = 0.5
-# Clusters of more than two splits pay for short, latency-bound splits (at most this many key blocks
-# each, per instance head dim: d96 merges better through the combine from 3 blocks a split), or
-# grids of at most half the SMs (batch 1); longer splits of larger grids merge through the combine
-# kernel (measurements: benchmarks/results/tuning_history_h200.md).
-DECODE_CLUSTER_MAX_SPLIT_BLOCKS = {64: 16, 96: 2, 128: 16, 192: 8, 256: 8}
-MERGE_IN_CLUSTER = True  # a switch for benchmarks/tune_decode.py, which measures both ways
-# Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while the
-# previous kernel on the stream finishes its last wave (once all its CTAs have executed
-# griddepcontrol.launch_dependents, or exited) and wait in griddepcontrol.wait, before reading
-# anything, for its completion; the launch latency between the two kernels is hidden. Only for
-# grids of at most DECODE_DEPENDENT_MAX_SM_SHARE of the SMs, or of more CTAs than the SMs hold at
-# once: a grid of about one CTA per SM, scheduled while the previous kernel still holds a CTA slot
-# of most SMs, is not spread one per SM (measurements: benchmarks/results/tuning_history_h200.md).
-DECODE_DEPENDENT_LAUNCH = True  # a switch for benchmarks/tune_decode.py ("nopdlfwd")
-DECODE_DEPENDENT_MAX_SM_SHARE = 0.5  # "pdlany": any grid
-# Decode whose K/V heads are adjacent in memory (head stride = head_dim, flash_attn's (..., nheads_k, d)
-# layout) reads two heads per CTA at these head dims (FwdPlan.kv_head_group, fwd_sm80.cuh): a key's
-# two rows are then one run of 2 x head_dim elements, read by the instance of twice the head dim,
-# and d96's 192-byte rows no longer share a 128-byte line between two CTAs. Only for grids of at
-# least DECODE_PAIR_MIN_SM_SHARE x SMs paired tiles: smaller ones need twice the splits for the same
-# CTAs, and lose. (A query row's zero columns meet the other head's keys in Q·Kᵀ: a non-finite key
-# of one head, already fatal to that head's rows, then makes the paired head's rows NaN too.)
-DECODE_PAIRED_HEAD_DIMS: frozenset[int] = frozenset({64, 96})
-DECODE_PAIR_MIN_SM_SHARE = 0.5
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads; batch x splits)
 
 
@@ -188,6 +145,7 @@ def plan_fwd(
     page_size: int = 0,
     leftpad: bool = False,
     kv_heads_adjacent: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> FwdPlan:
     """Choose the forward instance, its grid and the split count. A pure function of hashable
     arguments, memoized: a call shape seen before costs one dictionary lookup.
@@ -201,7 +159,8 @@ def plan_fwd(
     pad (the sm90 forward's TMA takes pages of whole key blocks without a left pad; the rest its
     gather instances);
     ``kv_heads_adjacent``: K's and V's heads are head_dim elements apart (decode may then read
-    two per CTA: DECODE_PAIRED_HEAD_DIMS);
+    two per CTA: Tuning.decode_paired_head_dims);
+    ``tuning``: the knobs (runtime/tuning.py; the runtime passes tuning.current());
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
@@ -249,10 +208,10 @@ def plan_fwd(
             return sm90_plan
     # Decode over pairs of adjacent KV heads: the packed rows of both fit one decode row block.
     kv_head_group = 2 if (
-        decode and kv_heads_adjacent and head_dim in DECODE_PAIRED_HEAD_DIMS and 2 * head_dim in HEAD_DIMS
+        decode and kv_heads_adjacent and head_dim in tuning.decode_paired_head_dims and 2 * head_dim in HEAD_DIMS
         and nheads_k % 2 == 0 and pack_gqa is not False
         and 2 * seqlen_q * qhead_per_khead <= tile_table.FWD_DECODE_TILE.block_m
-        and batch * nheads_k // 2 >= DECODE_PAIR_MIN_SM_SHARE * device.num_sms
+        and batch * nheads_k // 2 >= tuning.decode_pair_min_sm_share * device.num_sms
     ) else 1
     if kv_head_group > 1:
         pack, d_instance = True, kv_head_group * head_dim
@@ -260,7 +219,7 @@ def plan_fwd(
     tile = fwd_tile(family, arch, d_instance, mask, decode, paged=paged)
     heads = nheads_k // kv_head_group if pack else nheads
     # (Varlen calls keep the combine: it writes the zeros of rows past seqused_q.)
-    cluster_merge = MERGE_IN_CLUSTER and decode and cc >= 90 and not varlen
+    cluster_merge = tuning.merge_in_cluster and decode and cc >= 90 and not varlen
     m_blocks = max(1, -(-rows // tile.block_m))
 
     n_blocks = max(1, -(-seqlen_k // tile.block_n))
@@ -269,26 +228,26 @@ def plan_fwd(
 
     def clusters_merge(splits: int) -> bool:
         grid = m_blocks * heads * batch * splits
-        short_splits = -(-n_blocks // splits) <= DECODE_CLUSTER_MAX_SPLIT_BLOCKS[d_instance]
-        return grid <= DECODE_CLUSTER_MAX_FILL * cta_slots and (
+        short_splits = -(-n_blocks // splits) <= tuning.cluster_max_split_blocks(d_instance)
+        return grid <= tuning.decode_cluster_max_fill * cta_slots and (
             splits <= 2 or short_splits or 2 * grid <= device.num_sms)
 
     if num_splits == 0:
         total_mblocks = m_blocks * heads * batch
         max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch))
-        slots = device.num_sms * min(DECODE_SPLIT_CTAS_PER_SM, ctas_per_sm) if decode else cta_slots
+        slots = device.num_sms * min(tuning.decode_split_ctas_per_sm, ctas_per_sm) if decode else cta_slots
         num_splits = heuristics.num_splits_heuristic(
             total_mblocks, slots, n_blocks, m_blocks,
             seqlen_k * head_dim * kv_head_group * 2 * 2, mask != "none", max_splits,
             l2_bytes=device.l2_bytes,
         )
-        if decode and DECODE_FILL_WAVE and num_splits > 1 and total_mblocks * num_splits < slots:
+        if decode and tuning.decode_fill_wave and num_splits > 1 and total_mblocks * num_splits < slots:
             filled = min(slots // total_mblocks, max_splits)
-            if n_blocks // max(filled, 1) >= DECODE_FILL_MIN_BLOCKS:
+            if n_blocks // max(filled, 1) >= tuning.decode_fill_min_blocks:
                 num_splits = max(num_splits, filled)
-        if cluster_merge and num_splits > DECODE_CLUSTER_SPLITS and n_blocks <= DECODE_CLUSTER_MAX_BLOCKS \
-                and clusters_merge(DECODE_CLUSTER_SPLITS):
-            num_splits = DECODE_CLUSTER_SPLITS
+        if cluster_merge and num_splits > tuning.decode_cluster_splits and n_blocks <= tuning.decode_cluster_max_blocks \
+                and clusters_merge(tuning.decode_cluster_splits):
+            num_splits = tuning.decode_cluster_splits
     num_splits = _splits_with_keys(num_splits, n_blocks)
     if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
         # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
@@ -297,14 +256,14 @@ def plan_fwd(
             nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
             softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
             family=family, varlen=varlen, varlen_uniform=varlen_uniform, dropout=dropout, sm90=sm90,
-            page_size=page_size, leftpad=leftpad, kv_heads_adjacent=kv_heads_adjacent,
+            page_size=page_size, leftpad=leftpad, kv_heads_adjacent=kv_heads_adjacent, tuning=tuning,
         )
     spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
     grid = (m_blocks, heads, batch * num_splits)
-    merge_in_cluster = cluster_merge and 1 < num_splits <= DECODE_CLUSTER_SPLITS and clusters_merge(num_splits)
+    merge_in_cluster = cluster_merge and 1 < num_splits <= tuning.decode_cluster_splits and clusters_merge(num_splits)
     ctas = grid[0] * grid[1] * grid[2]
-    dependent = decode and cc >= 90 and DECODE_DEPENDENT_LAUNCH and (
-        ctas <= DECODE_DEPENDENT_MAX_SM_SHARE * device.num_sms or ctas > cta_slots)
+    dependent = decode and cc >= 90 and tuning.decode_dependent_launch and (
+        ctas <= tuning.decode_dependent_max_sm_share * device.num_sms or ctas > cta_slots)
     return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent,
                    kv_head_group)
 

@@ -10,7 +10,7 @@ import torch
 from ..generator import matrix
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
-from . import tma
+from . import tma, tuning
 from .device import device_index, device_info
 from .dispatch import FwdPlan
 from .dropout import NO_DROPOUT_PARAMS
@@ -84,11 +84,6 @@ def stream_handle(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-# The split-KV combine as a programmatic dependent launch on sm_90+ (launch_combine). A switch for
-# benchmarks/tune_decode.py, which measures both ways.
-DEPENDENT_COMBINE = True
-
-
 @functools.lru_cache(maxsize=64)
 def combine_spec(capability: tuple[int, int], dtype: torch.dtype) -> KernelSpec:
     arch = matrix.target_arch(*capability)
@@ -138,7 +133,7 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
     # On sm_90+ the combine is a programmatic dependent launch: its CTAs are resident when the
     # forward's last ones finish (combine.cuh waits with griddepcontrol.wait), hiding its launch.
     launch_kernel(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index,
-            dependent=DEPENDENT_COMBINE and info.capability[0] >= 9)
+            dependent=tuning.current().dependent_combine and info.capability[0] >= 9)
 
 
 def ptr_or_null(t) -> int:

@@ -7,7 +7,7 @@ import typing
 import torch
 
 from .. import config
-from . import backward, tma, validate
+from . import backward, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .dropout import NO_DROPOUT, draw_dropout, dropout_from_rng_state
@@ -35,7 +35,7 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
         num_splits=num_splits, family=config.forced_family(), dropout=dropout_p > 0,
         # The TMA checks only where an sm90 instance could run (Hopper), not on every call.
         sm90=info.capability[0] == 9 and tma.compatible(q, k, v),
-        kv_heads_adjacent=k.stride(2) == head_dim and v.stride(2) == head_dim,
+        kv_heads_adjacent=k.stride(2) == head_dim and v.stride(2) == head_dim, tuning=tuning.current(),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
@@ -215,6 +215,7 @@ def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         varlen_uniform=seqused_q is None and seqused_k is None and not paged
         and total_q == batch * max_seqlen_q and capacity == batch * max_seqlen_k,
         sm90=info.capability[0] == 9 and tma.compatible(q, k, v), page_size=page_size if paged else 0,
+        tuning=tuning.current(),
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)

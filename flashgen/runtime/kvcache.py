@@ -9,7 +9,7 @@ from ..generator import matrix
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import DECODE_MAX_ROWS, ROW_KERNEL_WARPS
-from . import execute, tma, validate
+from . import execute, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import dtype_name, plan_fwd
 from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, launch_combine, pad_head_dim, run_fwd
@@ -95,6 +95,7 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         sm90=info.capability[0] == 9
         and seqlen_q * (nheads // nheads_k) > DECODE_MAX_ROWS and tma.compatible(q, k_cache, v_cache),
         kv_heads_adjacent=k_cache.stride(2) == head_dim and v_cache.stride(2) == head_dim,
+        tuning=tuning.current(),
     )
     validate.grid(plan, "k_cache")
 

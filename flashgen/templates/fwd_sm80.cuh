@@ -348,7 +348,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMI][Tr::kDI][4],
 // through distributed shared memory, merges them with combine.cuh's weighting,
 // w_s = exp(lse_s - max) / sum_t exp(lse_t - max) (a split without keys, lse -inf, selected away),
 // and stores O and lse; a second barrier keeps the others' shared memory alive until it has read.
-constexpr int kMaxClusterSplits = 8;  // the portable cluster size; dispatch.DECODE_CLUSTER_SPLITS
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size; Tuning.decode_cluster_splits
 
 template <typename Tr>
 struct ClusterMergeSmem {  // at the end of the forward's shared memory

@@ -403,7 +403,7 @@ def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
     """On sm_90+, decode splits of up to 8 run as one cluster and merge through distributed shared
     memory, without the combine kernel: the result meets the rule, agrees with the combine kernel's
     merge, is bitwise repeatable, and replays in a CUDA graph. More splits take the combine."""
-    from flashgen.runtime import dispatch, execute
+    from flashgen.runtime import execute, tuning
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need sm_90+")
@@ -420,24 +420,19 @@ def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
     forward = [(u, cl) for u, cl in launched if "_decode_" in u]
     assert len(forward) == 1, launched
     combine = [u for u, _ in launched if u.startswith("flash_combine")]
-    if c.num_splits > dispatch.DECODE_CLUSTER_SPLITS:
+    if c.num_splits > tuning.DEFAULT.decode_cluster_splits:
         assert forward[0][1] is None and combine, launched
     else:
-        assert forward[0][1] is not None and 1 < forward[0][1][2] <= dispatch.DECODE_CLUSTER_SPLITS, launched
+        assert forward[0][1] is not None and 1 < forward[0][1][2] <= tuning.DEFAULT.decode_cluster_splits, launched
         assert not combine, launched
     for _ in range(2):
         out, lse = flashgen.flash_attn_with_kvcache(**fresh_caches(kwargs))
         assert torch.equal(out, merged.out) and torch.equal(lse, merged.lse)
-    monkeypatch.setattr(dispatch, "MERGE_IN_CLUSTER", False)
-    dispatch.plan_fwd.cache_clear()
     launched.clear()
-    try:
+    with tuning.use(merge_in_cluster=False):
         combined = check_kvcache(fresh_caches(kwargs), name="out (combine kernel)")
-    finally:
-        dispatch.plan_fwd.cache_clear()  # plans made without the cluster merge stay out of the cache
     assert all(cl is None for _, cl in launched), launched
     assert_agree(merged, combined, name="merged in a cluster vs the combine kernel")
-    monkeypatch.setattr(dispatch, "MERGE_IN_CLUSTER", True)
 
     # A CUDA graph replays the cluster launch with new queries.
     static = fresh_caches(kwargs)
@@ -474,49 +469,41 @@ def test_kvcache_splits_merged_in_cluster(c, monkeypatch):
     case("d96-gqa8_2-rotary_half-split8", head_dim=96, rotary_fraction=0.5, num_splits=8, capacity=3000),
 ])
 def test_kvcache_paired_kv_heads(c, monkeypatch):
-    """Decode over adjacent KV heads, two per CTA (dispatch.DECODE_PAIRED_HEAD_DIMS, here at any grid
+    """Decode over adjacent KV heads, two per CTA (Tuning.decode_paired_head_dims, here at any grid
     size and also at d128): the instance of twice the head dim runs over half the heads, meets the
     rule, and agrees with one head per CTA."""
-    from flashgen.runtime import dispatch
+    from flashgen.runtime import tuning
 
     launched = spy_launches(monkeypatch)
     kwargs = make_kwargs(c)
     runs = {}
-    try:
-        for paired in (True, False):
-            monkeypatch.setattr(dispatch, "DECODE_PAIRED_HEAD_DIMS", frozenset({64, 96, 128} if paired else ()))
-            monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)  # any grid
-            dispatch.plan_fwd.cache_clear()
+    for paired in (True, False):
+        pairs = frozenset({64, 96, 128} if paired else ())
+        with tuning.use(decode_paired_head_dims=pairs, decode_pair_min_sm_share=0):  # any grid
             launched.clear()
             runs[paired] = check_kvcache(fresh_caches(kwargs), name=f"out (paired={paired})")
-            (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
-            assert spec.head_dim == c.head_dim * (2 if paired else 1), spec.uri
-            assert grid[1] == (c.nheads_k // 2 if paired else c.nheads_k if spec.pack_gqa else c.nheads), grid
-    finally:
-        dispatch.plan_fwd.cache_clear()  # plans made with the patched rule stay out of the cache
+        (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
+        assert spec.head_dim == c.head_dim * (2 if paired else 1), spec.uri
+        assert grid[1] == (c.nheads_k // 2 if paired else c.nheads_k if spec.pack_gqa else c.nheads), grid
     assert_agree(runs[True], runs[False], name="two KV heads per CTA vs one")
 
 
 def test_flash_attn_func_decode_paired_kv_heads(monkeypatch):
     """flash_attn_func's decode (one query token, K/V heads adjacent) pairs heads too: the d192
     instance runs over 2 of the 4 KV heads, and meets the rule."""
-    from flashgen.runtime import dispatch
+    from flashgen.runtime import tuning
 
     launched = spy_launches(monkeypatch)
-    monkeypatch.setattr(dispatch, "DECODE_PAIR_MIN_SM_SHARE", 0)
-    dispatch.plan_fwd.cache_clear()
-    try:
-        q, k, v = randn(3, 1, 16, 96), randn(3, 777, 4, 96), randn(3, 777, 4, 96)
-        out_ref, lse_ref = attention_ref(q, k, v)
-        out_pt, _ = attention_ref(q, k, v, upcast=False)
-        poison_allocator()
+    q, k, v = randn(3, 1, 16, 96), randn(3, 777, 4, 96), randn(3, 777, 4, 96)
+    out_ref, lse_ref = attention_ref(q, k, v)
+    out_pt, _ = attention_ref(q, k, v, upcast=False)
+    poison_allocator()
+    with tuning.use(decode_pair_min_sm_share=0):
         out, lse, _ = flashgen.flash_attn_func(q, k, v, return_attn_probs=True)
-        (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
-        assert spec.head_dim == 192 and spec.decode and grid[1] == 2, (spec.uri, grid)
-        assert_close_fa_rule(out, out_ref, out_pt, k=RULE_K)
-        assert_lse_close(lse, lse_ref)
-    finally:
-        dispatch.plan_fwd.cache_clear()
+    (spec, grid), = [(s, g) for s, g in launched if s.direction == "fwd"]
+    assert spec.head_dim == 192 and spec.decode and grid[1] == 2, (spec.uri, grid)
+    assert_close_fa_rule(out, out_ref, out_pt, k=RULE_K)
+    assert_lse_close(lse, lse_ref)
 
 
 @pytest.mark.parametrize("c", [

@@ -1,0 +1,84 @@
+"""The plan's tuning knobs, one frozen value. plan_fwd takes it as an argument (part of its memo
+key); the runtime passes ``current()``, which ``use`` changes for the calls inside a block. So a
+benchmark or a test runs another tuning by passing one, and no module global is patched. Why each
+default: the comments below; the measurements: benchmarks/results/tuning_history_h200.md."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    # Decode (the decode tile) only reads K/V, and an SM left idle is its share of the bandwidth
+    # lost: when the heuristic's splits leave part of the single wave empty, raise them to fill it,
+    # as long as each split keeps at least decode_fill_min_blocks key blocks (in shorter ones fixed
+    # costs and the combine dominate).
+    decode_fill_wave: bool = True
+    decode_fill_min_blocks: int = 8
+    # Decode splits count one CTA per SM even where two fit (the contiguous decode ring): counting
+    # two gives more, shorter splits and the combine kernel, and loses; where two won, one per SM
+    # with the combine kernel instead of clusters won more.
+    decode_split_ctas_per_sm: int = 1
+    # Decode splits of one tile merged in a cluster on sm_90+ (up to the portable cluster size, 8):
+    # no partials in global memory and no combine kernel. Where the heuristic wants more splits but
+    # keys are few (at most decode_cluster_max_blocks key blocks), 8 merged in a cluster beat them;
+    # with more keys the extra splits' bandwidth wins.
+    merge_in_cluster: bool = True
+    decode_cluster_splits: int = 8
+    decode_cluster_max_blocks: int = 64
+    # A cluster's CTAs start together, on SMs of one GPC with room for all of them: merged in
+    # clusters only while the grid takes at most this share of the CTA slots (SMs x decode CTAs per
+    # SM); fuller grids run faster through the combine kernel.
+    decode_cluster_max_fill: float = 0.5
+    # Clusters of more than two splits pay for short, latency-bound splits (at most this many key
+    # blocks each, per instance head dim: d96 merges better through the combine from 3 blocks a
+    # split), or grids of at most half the SMs (batch 1); longer splits of larger grids merge through
+    # the combine kernel. (head dim, blocks) pairs: a value must be hashable.
+    decode_cluster_max_split_blocks: tuple[tuple[int, int], ...] = ((64, 16), (96, 2), (128, 16), (192, 8), (256, 8))
+    # Decode forwards on sm_90+ are programmatic dependent launches: their CTAs are scheduled while
+    # the previous kernel on the stream finishes its last wave and wait in griddepcontrol.wait for
+    # its completion, which hides the launch latency between the two. Only for grids of at most
+    # decode_dependent_max_sm_share of the SMs, or of more CTAs than the SMs hold at once: a grid of
+    # about one CTA per SM, scheduled while the previous kernel still holds a CTA slot of most SMs,
+    # is not spread one per SM.
+    decode_dependent_launch: bool = True
+    decode_dependent_max_sm_share: float = 0.5
+    # Decode whose K/V heads are adjacent in memory (head stride = head_dim, flash_attn's (...,
+    # nheads_k, d) layout) reads two heads per CTA at these head dims (FwdPlan.kv_head_group,
+    # fwd_sm80.cuh): a key's two rows are then one run of 2 x head_dim elements, read by the
+    # instance of twice the head dim, and d96's 192-byte rows no longer share a 128-byte line
+    # between two CTAs. Only for grids of at least decode_pair_min_sm_share x SMs paired tiles:
+    # smaller ones need twice the splits for the same CTAs, and lose. (A query row's zero columns
+    # meet the other head's keys in Q·Kᵀ: a non-finite key of one head, already fatal to that
+    # head's rows, then makes the paired head's rows NaN too.)
+    decode_paired_head_dims: frozenset[int] = frozenset({64, 96})
+    decode_pair_min_sm_share: float = 0.5
+    # The split-KV combine as a programmatic dependent launch on sm_90+ (execute.launch_combine).
+    dependent_combine: bool = True
+
+    def cluster_max_split_blocks(self, head_dim: int) -> int:
+        return dict(self.decode_cluster_max_split_blocks)[head_dim]
+
+
+DEFAULT = Tuning()
+_current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("flashgen_tuning", default=DEFAULT)
+
+
+def current() -> Tuning:
+    """The tuning the runtime's calls plan with (DEFAULT unless inside ``use``)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def use(tuning: Tuning | None = None, **changes) -> Iterator[Tuning]:
+    """Run the calls inside the block with ``tuning`` (default: the current one) changed by
+    ``changes`` (Tuning's field names); yields the tuning in force."""
+    chosen = dataclasses.replace(current() if tuning is None else tuning, **changes)
+    token = _current.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _current.reset(token)
