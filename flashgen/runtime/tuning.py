@@ -59,6 +59,13 @@ class Tuning:
     # The split-KV combine as a programmatic dependent launch on sm_90+ (execute.launch_combine).
     dependent_combine: bool = True
 
+    def __post_init__(self) -> None:
+        # Hashed once: plan_fwd's memo hashes its arguments on every call.
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     def cluster_max_split_blocks(self, head_dim: int) -> int:
         return dict(self.decode_cluster_max_split_blocks)[head_dim]
 
