@@ -91,7 +91,7 @@ def test_deterministic_order_any_shape(seqlen_q, seqlen_k, block_m, causal, left
 
 
 def test_plan_picks_descending_turns_for_mha_causal_only():
-    from flashgen.runtime.backward import plan_bwd
+    from flashgen.runtime.dispatch import plan_bwd
 
     def descending(**overrides):
         args = dict(dtype="bf16", head_dim=128, batch=2, seqlen_q=1000, seqlen_k=1000, nheads_k=8, causal=True,

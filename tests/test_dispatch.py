@@ -285,7 +285,7 @@ def test_plan_paged_forces_packing():
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_bwd_tile_fits_and_takes_the_most_stages_that_fit(arch, head_dim):
     from flashgen.generator import tiles
-    from flashgen.runtime.backward import plan_bwd
+    from flashgen.runtime.dispatch import plan_bwd
 
     tile = tiles.bwd_tile("sm80", arch, head_dim)
     limit = tiles.smem_limit(arch)
@@ -497,7 +497,7 @@ def test_sm90_wgmma_wrappers_cover_the_tiles():
 
 
 def _plan_bwd(**overrides):
-    from flashgen.runtime.backward import plan_bwd
+    from flashgen.runtime.dispatch import plan_bwd
 
     kwargs = dict(dtype="bf16", head_dim=128, batch=2, seqlen_q=300, seqlen_k=1000, nheads_k=4, causal=False,
                   window_size=(-1, -1), softcap=0.0, device=(9, 0))

@@ -27,7 +27,7 @@ from flashgen.generator import matrix
 from flashgen.generator.spec import HEAD_DIMS
 from flashgen.generator.tiles import DECODE_MAX_ROWS, smem_limit
 from flashgen.runtime import validate
-from flashgen.runtime.backward import plan_bwd
+from flashgen.runtime.dispatch import plan_bwd
 from flashgen.runtime.dispatch import (
     MAX_SPLITS,
     DeviceInfo,

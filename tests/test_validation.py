@@ -573,7 +573,7 @@ def _accepted_on_cpu(q_shape, k_shape) -> None:
 def test_backward_grid_holds_65535_kv_heads_at_any_head_dim(device, d_slices):
     """Head-dim slices (d256 on 99 KB targets) share grid.x with the key blocks, so only the KV
     heads sit in gridDim.y."""
-    from flashgen.runtime.backward import plan_bwd
+    from flashgen.runtime.dispatch import plan_bwd
 
     _accepted_on_cpu((1, 1, 40000, 256), (1, 1, 40000, 256))
     plan = plan_bwd(dtype="bf16", head_dim=256, batch=1, seqlen_q=1, seqlen_k=1, nheads_k=40000, causal=False,

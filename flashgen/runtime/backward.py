@@ -1,85 +1,17 @@
 """The backward pass: plan and launch the preprocess, main and postprocess kernels."""
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 
 from .. import config
-from ..generator import matrix
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
-from ..generator.tiles import ROW_KERNEL_WARPS, BwdTile, Sm90BwdTile, bwd_row_grid, bwd_tile
+from ..generator.tiles import ROW_KERNEL_WARPS, bwd_row_grid
 from . import execute, tma
 from .device import device_index, device_info
-from .dispatch import DeviceInfo, dtype_name, instance_head_dim, resolve_mask
+from .dispatch import plan_bwd
 from .dropout import NO_DROPOUT_PARAMS
 from .execute import LOG2E, chunk_aligned, ptr_or_null, row_strides, whole_chunks
-
-
-@dataclasses.dataclass(frozen=True)
-class BwdPlan:
-    spec: KernelSpec
-    tile: BwdTile | Sm90BwdTile
-    grid: tuple[int, int, int]  # (key blocks x head-dim slices, KV heads, batch)
-    window_left: int
-    window_right: int
-    # Deterministic sm90 dQ order (bwd_sm90.cuh): key blocks add to a query block last first when
-    # every query head has its own KV head under a causal mask, first first otherwise (MHA causal
-    # gains with the former, GQA causal with the latter: benchmarks/results/
-    # 20261202-nvidia-h200-sm90-bwd-rows-order and 20261201-nvidia-h200-sm90-bwd-det).
-    dq_turns_descending: bool = False
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.tile.smem_bytes(self.spec.head_dim)
-
-
-@functools.lru_cache(maxsize=1024)
-def plan_bwd(
-    *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
-    causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
-    family: str | None = None, dropout: bool = False, sm90: bool = False, nheads: int | None = None,
-    deterministic: bool = False,
-) -> BwdPlan:
-    """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
-    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused);
-    on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
-    forces sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
-    deterministic dQ order."""
-    if not isinstance(device, DeviceInfo):
-        device = DeviceInfo(tuple(device))
-    dtype = dtype_name(dtype)
-    arch = matrix.target_arch(*device.capability)
-    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
-    family = matrix.family_for(arch) if family in (None, "sm90") else family
-    mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
-    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim):
-        sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
-        tile = bwd_tile("sm90", arch, sm90_head_dim)
-        spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
-        descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
-        return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right,
-                       dq_turns_descending=descending)
-    d_instance = instance_head_dim(head_dim)
-    tile = bwd_tile(family, arch, d_instance)
-    spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)
-    grid = (max(1, -(-seqlen_k // tile.block_n)) * tile.d_slices, nheads_k, batch)
-    return BwdPlan(spec, tile, grid, window_left, window_right)
-
-
-def sm90_bwd_instance_head_dim(head_dim: int) -> int | None:
-    """The sm90 backward instance that serves ``head_dim``: the smallest of
-    matrix.SM90_BWD_HEAD_DIMS that holds it (bwd_sm90.cuh: the TMA zero-fills the columns past the
-    call's and drops the dQ tile's), None above the largest."""
-    return next((d for d in matrix.SM90_BWD_HEAD_DIMS if head_dim <= d), None)
-
-
-def sm90_bwd_covers(*, head_dim: int) -> bool:
-    """Whether the sm90 backward has an instance for a call the TMA can read: any head dim up to
-    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA, dropout."""
-    return sm90_bwd_instance_head_dim(head_dim) is not None
 
 
 def flash_bwd(

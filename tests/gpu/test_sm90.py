@@ -14,7 +14,7 @@ import torch
 
 import flashgen
 from flashgen.runtime import execute
-from flashgen.runtime.backward import sm90_bwd_instance_head_dim
+from flashgen.runtime.dispatch import sm90_bwd_instance_head_dim
 from flashgen.runtime.dispatch import sm90_instance_head_dim
 from test_fwd import (  # noqa: F401 (_seed: autouse)
     DTYPE_NAMES, _seed, assert_feature_matters, call_poisoned, check_against_ref, make_qkv,
