@@ -111,6 +111,17 @@ def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seql
     return "local", left_eff, right_eff
 
 
+def _call_target(device, dtype, family: str | None, sm90: bool):
+    """What plan_fwd and plan_bwd start from: the DeviceInfo, the dtype's name, the arch, whether
+    the sm90 family may serve the call (the caller's inputs allow it, ``family`` does not force
+    sm80, the arch has it), and the family that serves it otherwise."""
+    if not isinstance(device, DeviceInfo):
+        device = DeviceInfo(tuple(device))
+    arch = matrix.target_arch(*device.capability)
+    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
+    return device, dtype_name(dtype), arch, allow_sm90, matrix.family_for(arch) if family in (None, "sm90") else family
+
+
 def _splits_with_keys(num_splits: int, n_blocks: int) -> int:
     """A split count clamped to 1 .. min(n_blocks, MAX_SPLITS), then lowered to the splits that get
     key blocks: each takes ceil(n_blocks / num_splits) of them (both forward families), so some
@@ -165,12 +176,7 @@ def plan_fwd(
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
     """
-    if not isinstance(device, DeviceInfo):
-        device = DeviceInfo(tuple(device))
-    dtype = dtype_name(dtype)
-    arch = matrix.target_arch(*device.capability)
-    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
-    family = matrix.family_for(arch) if family in (None, "sm90") else family
+    device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     d_instance = instance_head_dim(head_dim)
     cc = device.capability[0] * 10 + device.capability[1]
@@ -345,12 +351,7 @@ def plan_bwd(
     on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
     forces sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
     deterministic dQ order."""
-    if not isinstance(device, DeviceInfo):
-        device = DeviceInfo(tuple(device))
-    dtype = dtype_name(dtype)
-    arch = matrix.target_arch(*device.capability)
-    allow_sm90 = sm90 and family in (None, "sm90") and "sm90" in matrix.families(arch)
-    family = matrix.family_for(arch) if family in (None, "sm90") else family
+    device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     if allow_sm90 and sm90_bwd_covers(head_dim=head_dim):
         sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
