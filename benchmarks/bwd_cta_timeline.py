@@ -88,6 +88,16 @@ def summarize(rows: torch.Tensor) -> dict:
     }
 
 
+def loaded_sm90_kernel(direction: str, head_dim: int, causal: bool) -> launch.LoadedKernel:
+    """The sm90 kernel of ``direction`` the calls so far loaded for this head dim and mask."""
+    kernels = [kernel for spec, kernel in launch._loaded.items()
+               if spec.direction == direction and spec.family == "sm90" and spec.head_dim >= head_dim
+               and spec.mask == ("causal" if causal else "none")]
+    if not kernels:
+        raise SystemExit(f"no sm90 {direction} kernel ran for d{head_dim}{' causal' if causal else ''}")
+    return kernels[0]
+
+
 def timeline_args(description: str, head_dims: str) -> argparse.ArgumentParser:
     """The timeline scripts' options: the shape grid, the variant's other defines, the JSON out."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,12 +141,7 @@ def main() -> None:
         for _ in range(3):
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-        kernels = [kernel for spec, kernel in launch._loaded.items()
-                   if spec.direction == "bwd" and spec.family == "sm90" and spec.head_dim >= head_dim
-                   and spec.mask == ("causal" if causal else "none")]
-        if not kernels:
-            raise SystemExit(f"no sm90 backward kernel ran for d{head_dim} s{seqlen}")
-        kernel = kernels[0]
+        kernel = loaded_sm90_kernel("bwd", head_dim, causal)
         clear_timeline(kernel)
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()

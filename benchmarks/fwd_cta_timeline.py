@@ -14,8 +14,8 @@ import statistics
 import torch
 
 import flashgen
-from bwd_cta_timeline import clear_timeline, finish_timeline, read_timeline, timeline_args, timeline_shapes
-from flashgen.runtime import launch
+from bwd_cta_timeline import (clear_timeline, finish_timeline, loaded_sm90_kernel, read_timeline, timeline_args,
+                              timeline_shapes)
 
 SLOTS = 16  # per CTA: 3 stamps for each of the first TILES tiles; slot 15 = tiles << 32 | SM
 TILES = 5   # FLASHGEN_FWD_TIMELINE_TILES in fwd_sm90.cuh
@@ -49,16 +49,12 @@ def main() -> None:
         for _ in range(3):
             flashgen.flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
-        kernels = [kernel for spec, kernel in launch._loaded.items()
-                   if spec.direction == "fwd" and spec.family == "sm90" and spec.head_dim >= head_dim
-                   and spec.mask == ("causal" if causal else "none")]
-        if not kernels:
-            raise SystemExit(f"no sm90 forward kernel ran for d{head_dim} s{seqlen}")
-        clear_timeline(kernels[0], SYMBOL)
+        kernel = loaded_sm90_kernel("fwd", head_dim, causal)
+        clear_timeline(kernel, SYMBOL)
         flashgen.flash_attn_func(q, k, v, causal=causal)
         torch.cuda.synchronize()
         label = f"d{head_dim} s{seqlen}{' causal' if causal else ''}"
-        results[label] = summary = summarize(read_timeline(kernels[0], SYMBOL, SLOTS))
+        results[label] = summary = summarize(read_timeline(kernel, SYMBOL, SLOTS))
         print(f"{label}: {summary['ctas']} CTAs, {summary['tiles_stamped']} tiles stamped; a tile's loop "
               f"{summary['loop_us']:.2f} µs, its epilogue {summary['epilogue_us']:.2f} µs, then "
               f"{summary['gap_to_next_tile_us']:.2f} µs to the next tile's start")
