@@ -582,13 +582,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 wgmma_rs<Element, kHeadDim, 1>(acc_dk, ds_frag[kk], smem_desc_moved(desc_q_mn, kk * 16 * 128), 1);
         };
         // dSᵀ to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte chunk
-        // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle; key % 8 is lane / 4 here).
+        // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle).
         uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
         auto store_ds = [&]() {
-#if defined(FLASHGEN_BWD_SM90_DS_STMATRIX) && FLASHGEN_BWD_SM90_DS_STMATRIX
-            // A candidate (to A/B and GPU-test): ds_frag[kk] is the four 8x8 matrices of n8 tiles
-            // 2 kk and 2 kk + 1, keys + 0 and + 8: one stmatrix, lane l the row of key
-            // ds_row + 8 ((l / 8) % 2) + l % 8, chunk 2 kk + l / 16 (2 kk XOR l / 16, swizzled).
+            // ds_frag[kk] is the four 8x8 matrices of n8 tiles 2 kk and 2 kk + 1, keys + 0 and + 8:
+            // one stmatrix, lane l the row of key ds_row + 8 ((l / 8) % 2) + l % 8, chunk
+            // 2 kk + l / 16 (2 kk XOR l / 16, swizzled).
             int const ds_row = consumer * 64 + (warp % 4) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
             uint32_t const ds_lane = ds_buffer + ds_row * 128;
             int const ds_chunk = (lane / 16) ^ (lane % 8);  // XOR 2 kk, then the panel of 2 kk
@@ -596,17 +595,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             for (int kk = 0; kk < kBlockM / 16; ++kk)
                 stmatrix_x4(ds_lane + ((2 * kk) / 8) * Tr::kPanelDSBytes + ((ds_chunk ^ ((2 * kk) % 8)) * 16),
                             ds_frag[kk][0], ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
-#else
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    int const row = key_in_block + 8 * half;
-                    st_shared_u32(ds_buffer + (i / 8) * Tr::kPanelDSBytes + row * 128 + (((i % 8) ^ (lane / 4)) * 16) +
-                                      4 * (lane % 4),
-                                  ds_frag[i / 2][(i % 2) * 2 + half]);
-                }
-#endif
             fence_proxy_async();  // visible to the wgmma (async proxy)
         };
         // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
@@ -626,10 +614,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         auto store_dq = [&]() {
             if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
             int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
-#if defined(FLASHGEN_BWD_SM90_DQ_XOR_ADDRESS) && FLASHGEN_BWD_SM90_DQ_XOR_ADDRESS
-            // A candidate (to A/B): the same addresses from one per-lane base. Its bits 4-6 are the
-            // lane's swizzled chunk (every other term is a multiple of 128), so n8 tile i's chunk,
-            // 2 (i % 4) XOR that, is the base XOR 32 (i % 4): one register instead of one per tile.
+            // One per-lane base: its bits 4-6 are the lane's swizzled chunk (every other term is a
+            // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
+            // one register instead of one per tile (fewer spills in the loop).
             uint32_t const dq_lane = sdQ + (dq_col0 / 32) * Tr::kDQBoxBytes + dq_row * 128 +
                                      ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
 #pragma unroll
@@ -638,17 +625,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i)
                     st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + (i / 4) * Tr::kDQBoxBytes + half * 8 * 128,
                                     acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
-#else
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
-                    int const col = dq_col0 + i * 8 + 2 * (lane % 4);
-                    uint32_t const addr = sdQ + (col / 32) * Tr::kDQBoxBytes + (dq_row + 8 * half) * 128 +
-                                          ((((col % 32) / 4) ^ (lane / 4)) * 16) + (col % 4) * 4;
-                    st_shared_f32x2(addr, acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
-                }
-#endif
             fence_proxy_async();  // visible to the TMA (async proxy)
             mbar_arrive(dq_full);
         };
