@@ -10,7 +10,7 @@ flash_fwd_sm90_hdim128_bf16_causal_sm90a(const __grid_constant__ flashgen::Sm90F
     using Traits = flashgen::Sm90FwdTraits<
         flashgen::bfloat16_t,
         /*kHeadDim=*/128, /*kBlockN=*/128, /*kStages=*/2,
-        /*kOverlap=*/true, flashgen::Mask::Causal, /*kSoftcap=*/false,
+        /*kOverlap=*/true, /*kStageO=*/true, flashgen::Mask::Causal, /*kSoftcap=*/false,
         /*kPackGQA=*/false, /*kSplit=*/false, /*kPaged=*/false, /*kGather=*/false,
         /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;

@@ -479,6 +479,12 @@ def test_sm90_tiles_fit_and_match_the_kernel_layout():
     assert Sm90FwdTile(128, producer_registers=40).consumer_registers == 232
     with pytest.raises(ValueError, match="setmaxnreg"):
         Sm90FwdTile(128, producer_registers=36)
+    # O staged in the tile's last K/V stage (kStageO): the tile's choice reaches the kernel, and a
+    # stage too small for O's rows is refused.
+    assert "/*kStageO=*/true" in source and tile.stage_o
+    assert "/*kStageO=*/false" in render.render_instance(plan(sm90=True, head_dim=64).spec)
+    with pytest.raises(ValueError, match="staged"):
+        Sm90FwdTile(48)
 
 
 def test_sm90_wgmma_wrappers_cover_the_tiles():

@@ -87,7 +87,8 @@ def render_instance(spec: KernelSpec) -> str:
         )
     if spec.family == "sm90":
         return _env().get_template("fwd_sm90_instance.cu.j2").render(
-            **attention, stages=tile.stages, overlap=_cpp_bool(tile.overlap), pack_gqa=_cpp_bool(spec.pack_gqa),
+            **attention, stages=tile.stages, overlap=_cpp_bool(tile.overlap), stage_o=_cpp_bool(tile.stage_o),
+            pack_gqa=_cpp_bool(spec.pack_gqa),
             split=_cpp_bool(spec.split), paged=_cpp_bool(spec.paged), gather=_cpp_bool(spec.gather),
             dropout=_cpp_bool(spec.dropout),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,

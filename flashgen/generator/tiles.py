@@ -175,6 +175,9 @@ class Sm90FwdTile(_Sm90Warpgroups):
     block_n: int     # keys per block (the S = Q·Kᵀ wgmma's N)
     stages: int = 2  # K/V blocks in flight
     overlap: bool = True  # softmax of block j + 1 during block j's P·V (kOverlap in fwd_sm90.cuh)
+    # O stored through the tile's last K/V stage, held until the epilogue (kStageO in fwd_sm90.cuh)
+    # rather than straight from the accumulators; split instances store fp32 partials directly.
+    stage_o: bool = True
     # Registers per thread after setmaxnreg: the producer warpgroup's, and each consumer's, which
     # take the rest of the 168 x 384 the launch allocates (168: the cap for 384 threads, 1 CTA).
     producer_registers: int = 24
@@ -183,6 +186,9 @@ class Sm90FwdTile(_Sm90Warpgroups):
 
     def __post_init__(self) -> None:
         self._check_registers()
+        if self.stage_o and 2 * self.block_n < self.block_m:
+            raise ValueError(f"{self}: O's {self.block_m} rows are staged in one stage's K and V blocks, "
+                             f"2 x {self.block_n} rows")
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 2 + 4 * stages mbarriers."""
@@ -203,10 +209,13 @@ def sm90_consumer_registers(producer_registers: int) -> int:
 # (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice),
 # 256 at d64 (faster than 128 but for short causal calls; 192 slower), 96 at d192 (112 spills under
 # softcap) and 64 at d256, so that two stages fit in 227 KB; the P·V overlap pays from d128, not
-# at d64. The producer keeps 24 registers (40 is slower at d64/d128; d256's consumers need 240)
-# (measurements: benchmarks/results/tuning_history_h200.md).
+# at d64. The producer keeps 24 registers (40 is slower at d64/d128; d256's consumers need 240).
+# O goes through shared memory from d128 (its direct stores took 2.6-5.6 µs a tile); at d64 they
+# take 0.8 µs, and holding a 256-key stage until the epilogue delays the next tile's second block
+# (0.92-0.94x at s1k) (measurements: benchmarks/results/tuning_history_h200.md and
+# 20261202-nvidia-h200-sm90-fwd-epilogue).
 _FWD_SM90 = {
-    64: Sm90FwdTile(256, overlap=False),
+    64: Sm90FwdTile(256, overlap=False, stage_o=False),
     128: Sm90FwdTile(128),
     192: Sm90FwdTile(96),
     256: Sm90FwdTile(64),

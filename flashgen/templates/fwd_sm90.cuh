@@ -29,9 +29,10 @@
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
 // Paged K/V (kPaged), any page size: by TMA where pages hold whole key blocks, otherwise gathered
 // by the producer warpgroup's cp.async (kGather instances). Dropout (unpacked, unsplit, unpaged
-// instances): common.cuh's Philox mask on P after the row sums. Not yet here: of
-// FlashAttention-3's performance features, the ping-pong scheduling of the two consumers (tried on
-// branch sm90-pingpong: 0.95x) and O stored through shared memory by the TMA.
+// instances): common.cuh's Philox mask on P after the row sums. O goes out through shared memory
+// where the tile table says so (stage_o): the tile's last K and V stage holds it (below). Not
+// here: FlashAttention-3's ping-pong scheduling of the two consumers (tried on branch
+// sm90-pingpong: 0.95x), and the TMA store of O (varlen's and PackGQA's rows need per-row stores).
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
@@ -77,7 +78,7 @@ struct Sm90FwdParams {
     FwdParams p;
 };
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, Mask kMask_, bool kSoftcap_,
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, bool kStageO_, Mask kMask_, bool kSoftcap_,
           bool kPackGQA_, bool kSplit_, bool kPaged_, bool kGather_, bool kDropout_, int kProducerRegs_,
           int kConsumerRegs_>
 struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
@@ -118,6 +119,11 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kQBytes = kPanels * kPanelQBytes;
     static constexpr int kKVBytes = kPanels * kPanelKVBytes;  // one K or V block
     static constexpr int kBarriers = 2 + 4 * kStages;         // Q full and empty; full and empty, K and V, per stage
+    // O (bf16/fp16, 128 rows, Q's panel layout) staged in the tile's last K and V stage, which the
+    // consumers release only after the epilogue (the tile table's choice, Sm90FwdTile.stage_o);
+    // otherwise, and always for split's fp32 partials, stored straight from the accumulators.
+    static constexpr bool kStageO = kStageO_ && !kSplit;
+    static_assert(!kStageO || kPanels * kPanelQBytes <= 2 * kKVBytes, "O fits one stage's K and V tiles");
     // 1024 bytes of slack to align the swizzle atoms, Q, the K/V ring, the mbarriers. The
     // instance checks it against the host's request (Sm90FwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
@@ -605,7 +611,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers(s);
-                mbar_arrive(empty_k(stage));
+                if (!Tr::kStageO || it < n_blocks - 1) mbar_arrive(empty_k(stage));
                 if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
                 softmax(n_block_max - 1 - it, s, correction);
                 rescale_o(correction);
@@ -617,7 +623,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers(acc_o);
-                mbar_arrive(empty_v(stage));
+                if (!Tr::kStageO || it < n_blocks - 1) mbar_arrive(empty_v(stage));
             }
         }
         if (Tr::kOverlap && n_blocks > 0) {
@@ -629,7 +635,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(s);
-            mbar_arrive(empty_k(stage_of(0)));
+            if (!Tr::kStageO || n_blocks > 1) mbar_arrive(empty_k(stage_of(0)));
             if (n_blocks == 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
             softmax(n_block_max - 1, s, correction);  // O is still 0: nothing to rescale
             pack_p(s, p);
@@ -649,7 +655,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                 wgmma_commit();
                 wgmma_wait<1>();  // Q·Kᵀ done; P·V may still run
                 fence_registers(s);
-                mbar_arrive(empty_k(stage));
+                if (!Tr::kStageO || it < n_blocks - 1) mbar_arrive(empty_k(stage));
                 if (it == n_blocks - 1) mbar_arrive(bar_q_empty);  // the tile's last Q·Kᵀ is done
                 softmax(n_block_max - 1 - it, s, correction);
             };
@@ -674,14 +680,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(acc_o);
-            mbar_arrive(empty_v(last));
+            if (!Tr::kStageO) mbar_arrive(empty_v(last));
         }
 
         used += n_blocks;
         if (stamps) fwd_timeline_stamp(tile_count, kTileMmaDone);
 
-        // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf), straight to global;
-        // the sequence's rows start at q_offset (varlen); a packed row is (query, head).
+        // ---- Epilogue: O normalized (a row that saw no key gets 0 and lse -inf); the sequence's
+        // rows start at q_offset (varlen); a packed row is (query, head).
         int const q_offset = tile.seq.q_offset;
         if constexpr (kSplit) {
             // fp32 partials (split, row, head, d) with rows numbered across the batch, the call's
@@ -713,27 +719,97 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             ++tile_count;
             continue;
         }
+        if constexpr (!Tr::kStageO) {  // straight from the accumulators: 8 rows of 16 bytes a warp store
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float const sum = quad_allreduce_sum<4>(row_sum[half]);
+                float const inv_sum = sum > 0.f ? __frcp_rn(sum) * (Tr::kDropout ? params.rp_dropout : 1.f) : 0.f;
+                if (row0 + 8 * half < rows) {
+                    int const pos = q_offset + row_pos[half], head = row_head[half];
+                    T* o_row = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride +
+                               head * params.o_head_stride + pos * params.o_row_stride;
+                    float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
+                                     head * params.lse_head_stride + pos;
+#pragma unroll
+                    for (int i = 0; i < kHeadDim / 8; ++i) {
+                        *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
+                            Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
+                    }
+                    if (lane % 4 == 0) {
+                        *lse_out = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                    }
+                }
+            }
+            if (stamps) fwd_timeline_stamp(tile_count, kTileStored);
+            ++tile_count;
+            continue;
+        }
+        // O (bf16/fp16) through shared memory in whole rows: the accumulators by stmatrix into the
+        // tile's last K and V stage (once both consumers' last MMAs have read it), then each warp's
+        // 16 rows out in 16-byte chunks, and the stage back to the producer. (The direct stores took
+        // 2.6 µs a tile at d128 and 5.6 at d256: benchmarks/results/20261202-nvidia-h200-sm90-fwd-epilogue.)
+        // A tile with no key block holds no stage and stores zeros.
+        float inv_sum[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float const sum = quad_allreduce_sum<4>(row_sum[half]);
-            float const inv_sum = sum > 0.f ? __frcp_rn(sum) * (Tr::kDropout ? params.rp_dropout : 1.f) : 0.f;
-            if (row0 + 8 * half < rows) {
-                int const pos = q_offset + row_pos[half], head = row_head[half];
-                T* o_row = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride +
-                           head * params.o_head_stride + pos * params.o_row_stride;
-                float* lse_out = reinterpret_cast<float*>(params.lse_ptr) + bidb * params.lse_batch_stride +
-                                 head * params.lse_head_stride + pos;
-                // All kHeadDim columns: a call with fewer gets an O padded to kHeadDim (run_fwd);
-                // the TMA's zero fill of Q, K, V past its columns makes the extra ones zero.
+            inv_sum[half] = sum > 0.f ? __frcp_rn(sum) * (Tr::kDropout ? params.rp_dropout : 1.f) : 0.f;
+            if (lane % 4 == 0 && row0 + 8 * half < rows) {
+                reinterpret_cast<float*>(params.lse_ptr)[bidb * params.lse_batch_stride +
+                                                         row_head[half] * params.lse_head_stride + q_offset + row_pos[half]] =
+                    sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+            }
+        }
+        int const warp_row0 = consumer * 64 + (warp % 4) * 16;  // this warp's 16 rows of the tile
+        int const last_stage = (used + kStages - 1) % kStages;  // the tile's last block (used counts it already)
+        uint32_t const sO = sK(last_stage);
+        if (n_blocks > 0) {
+            named_barrier_sync(1, Tr::kConsumerThreads);
+            // stmatrix: lane l gives row stage_row of matrix l / 8 (n8 slabs 2 j + l / 16, rows + 8 at
+            // (l / 8) % 2). Every term but the swizzled chunk is a multiple of 128, so slab pair j's
+            // chunk, 2 j XOR the lane's, is one base XOR 32 (j % 4): one address register.
+            int const stage_row = warp_row0 + ((lane / 8) % 2) * 8 + lane % 8;
+            uint32_t const stage_lane = sO + stage_row * 128 + (((lane / 16) ^ (stage_row % 8)) * 16);
 #pragma unroll
-                for (int i = 0; i < kHeadDim / 8; ++i) {
-                    *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane % 4)) =
-                        Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
+            for (int j = 0; j < kHeadDim / 16; ++j)
+                stmatrix_x4((stage_lane ^ ((j % 4) * 32)) + (j / 4) * Tr::kPanelQBytes,
+                            Element::pack2(acc_o[8 * j] * inv_sum[0], acc_o[8 * j + 1] * inv_sum[0]),
+                            Element::pack2(acc_o[8 * j + 2] * inv_sum[1], acc_o[8 * j + 3] * inv_sum[1]),
+                            Element::pack2(acc_o[8 * j + 4] * inv_sum[0], acc_o[8 * j + 5] * inv_sum[0]),
+                            Element::pack2(acc_o[8 * j + 6] * inv_sum[1], acc_o[8 * j + 7] * inv_sum[1]));
+            __syncwarp();  // a warp reads back only its own rows
+        }
+        // All kHeadDim columns: a call with fewer gets an O padded to kHeadDim (run_fwd); the
+        // TMA's zero fill of Q, K, V past its columns makes the extra ones zero. O is dense with
+        // 16-byte aligned rows (run_fwd allocates it). Lane l takes chunk l % 8 of each panel of
+        // the warp's rows l / 8 + 4 i: a warp store is four whole 128-byte row segments, and the
+        // swizzle is the lane's base XOR 16 ((4 i) % 8), as above.
+        T* const o_batch = reinterpret_cast<T*>(params.o_ptr) + bidb * params.o_batch_stride;
+        int const lane_row = lane / 8, lane_chunk = lane % 8;
+        uint32_t const read_lane = sO + (warp_row0 + lane_row) * 128 + ((lane_chunk ^ lane_row) * 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int const row = m0 + warp_row0 + lane_row + 4 * i;
+            if (row < rows) {
+                int pos = row, head = bidh;
+                if constexpr (Tr::kPackGQA) {
+                    int in_group;
+                    pos = qhpk.divmod(in_group, row);
+                    head = bidh * group + in_group;
                 }
-                if (lane % 4 == 0) {
-                    *lse_out = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                T* const o_row = o_batch + head * params.o_head_stride + (q_offset + pos) * params.o_row_stride + lane_chunk * 8;
+#pragma unroll
+                for (int p = 0; p < Tr::kPanels; ++p) {
+                    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+                    if (n_blocks > 0) value = ld_shared_v4((read_lane ^ (((4 * i) % 8) * 16)) + 4 * i * 128 + p * Tr::kPanelQBytes);
+                    *reinterpret_cast<uint4*>(o_row + p * 64) = value;
                 }
             }
+        }
+        if (n_blocks > 0) {
+            fence_proxy_async();  // these reads before the producer's TMA refills the stage
+            mbar_arrive(empty_k(last_stage));
+            mbar_arrive(empty_v(last_stage));
         }
         if (stamps) fwd_timeline_stamp(tile_count, kTileStored);
         ++tile_count;
