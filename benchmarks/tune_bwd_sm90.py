@@ -1,12 +1,14 @@
-"""A/B of sm90 backward variants compiled with NVRTC defines, in one process, rounds in turn.
+"""A/B of sm90 backward (or, with --direction fwd, forward) variants compiled with NVRTC defines,
+in one process, rounds in turn.
 
     python benchmarks/tune_bwd_sm90.py --variants default FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE=1 \
-        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic]
+        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic] [--direction fwd]
 
 A variant is "default" or NAME=VALUE defines joined by "+"; they go to FLASHGEN_NVRTC_EXTRA_OPTIONS
 as -DNAME=VALUE (part of the cache key, so each gets its own cubins); the loaded-kernel memo is
 cleared between variants. bf16, 16k tokens, hidden 2048;
-TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal), medians.
+TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
+forward, medians.
 """
 import argparse
 import itertools
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
     args = parser.parse_args()
     shapes = list(itertools.product((int(d) for d in args.head_dims.split(",")),
                                     (int(s) for s in args.seqlens.split(",")), (False, True)))
@@ -47,19 +50,24 @@ def main() -> None:
         q = torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(batch, seqlen, nheads // args.gqa, head_dim, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True) for _ in range(2))
-        flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        flops = (2.5 if args.direction == "bwd" else 1.0) * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
         inputs[(head_dim, seqlen, causal)] = (q, k, v, torch.randn_like(q), flops)
     results = {}
     for _ in range(args.rounds):
         for variant in args.variants:
             use_variant(variant)
             for shape, (q, k, v, dout, flops) in inputs.items():
-                out = flashgen.flash_attn_func(q, k, v, causal=shape[2], deterministic=args.deterministic)
-                ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                              warmup=30, rep=150, return_mode="median")
+                if args.direction == "fwd":
+                    with torch.no_grad():
+                        ms = do_bench(lambda: flashgen.flash_attn_func(q, k, v, causal=shape[2]),
+                                      warmup=30, rep=150, return_mode="median")
+                else:
+                    out = flashgen.flash_attn_func(q, k, v, causal=shape[2], deterministic=args.deterministic)
+                    ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                  warmup=30, rep=150, return_mode="median")
                 results.setdefault((variant, shape), []).append(flops / ms / 1e9)
     use_variant("default")
-    print(f"{torch.cuda.get_device_name()}: sm90 backward TFLOP/s (median of {args.rounds} rounds), gqa {args.gqa}, "
+    print(f"{torch.cuda.get_device_name()}: sm90 {'backward' if args.direction == 'bwd' else 'forward'} TFLOP/s (median of {args.rounds} rounds), gqa {args.gqa}, "
           f"deterministic={args.deterministic}")
     print(f"{'shape':<18}" + "".join(f"{v:>34}" for v in args.variants))
     for shape in inputs:
