@@ -6,7 +6,7 @@ shape). Median microseconds per call replayed from a CUDA graph, each call on it
 so that none is read from L2 (flashgen.bench.timing.rotated_us), and the K+V bytes read per second
 against the copy bandwidth measured in the same run.
 
-    python benchmarks/bench_packgqa.py [--out benchmarks/results/packgqa_h200.json]
+    python benchmarks/bench_packgqa.py [--out benchmarks/results/<run>/packgqa_h200.json]
 """
 import argparse
 import json

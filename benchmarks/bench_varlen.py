@@ -11,7 +11,7 @@ Also flashgen varlen forward+backward against flashgen dense padded forward+back
 Reports milliseconds (triton do_bench medians) and the useful TFLOP/s (FLOPs of the real
 sequences only), so the padded runs show what the padding costs.
 
-    python benchmarks/bench_varlen.py [--out benchmarks/results/varlen_h200.json]
+    python benchmarks/bench_varlen.py [--out benchmarks/results/<run>/varlen_h200.json]
 """
 import argparse
 import json

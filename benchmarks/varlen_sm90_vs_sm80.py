@@ -4,7 +4,7 @@ d64/128/256, MHA and GQA 4:1, causal or not) and few queries per sequence agains
 Each call runs twice in one process, with the default family choice (sm90 on Hopper) and with
 FLASHGEN_FAMILY=sm80; triton do_bench medians; max|diff| between the two outputs.
 
-    python benchmarks/varlen_sm90_vs_sm80.py    (an H200; results/20261129-nvidia-h200-sm90-varlen-packgqa/)
+    python benchmarks/varlen_sm90_vs_sm80.py    (an H200; results/20261129-nvidia-h200-sm90-d64-headdims/)
 """
 import os, torch, flashgen, math
 from triton.testing import do_bench

@@ -37,7 +37,7 @@ namespace flashgen {
 // copy fills whole aligned groups. Rows padded by 16 bytes would also avoid bank conflicts, but
 // then a row's copy straddles two 128-byte runs of shared memory and cp.async splits its global
 // request there: ncu on the H200 measured 1.5x the L2 sectors of the tile (24 per 512-byte warp
-// copy instead of 16; benchmarks/results/decode_tiles_h200.md). Tiles start at multiples of 128 bytes.
+// copy instead of 16; benchmarks/results/exploration/decode.md). Tiles start at multiples of 128 bytes.
 template <int kHeadDim>
 struct SwizzledRows {
     static constexpr int kRowBytes = kHeadDim * 2;
