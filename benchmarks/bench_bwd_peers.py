@@ -34,17 +34,32 @@ def _fa4(deterministic):
 
 
 def _sdpa(backend_name):
+    """SDPA on one backend, on flash_attn's (batch, seqlen, heads, d) layout; extra keywords
+    (dropout_p) go to scaled_dot_product_attention."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
 
-    def call(q, k, v, causal):
+    def call(q, k, v, causal, **kwargs):
         gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, **gqa).transpose(1, 2)
+                                                  is_causal=causal, **gqa, **kwargs).transpose(1, 2)
 
     return call
+
+
+def available(names: str, table: dict) -> tuple[dict, dict]:
+    """The implementations named (comma-separated) that load, and {name: why} of those that do
+    not (printed, and left out)."""
+    impls, missing = {}, {}
+    for name in names.split(","):
+        try:
+            impls[name] = table[name]()
+        except Exception as exc:  # a peer that is not installed is left out, with the reason
+            missing[name] = f"{type(exc).__name__}: {exc}"
+            print(f"{name} not run: {missing[name]}")
+    return impls, missing
 
 
 IMPLS = {
@@ -71,14 +86,7 @@ def main() -> None:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    impls, missing = {}, {}
-    for name in args.impls.split(","):
-        try:
-            impls[name] = IMPLS[name]()
-        except Exception as exc:  # a peer that is not installed is left out, with the reason
-            missing[name] = f"{type(exc).__name__}: {exc}"
-    for name, why in missing.items():
-        print(f"{name} not run: {why}")
+    impls, missing = available(args.impls, IMPLS)
     rows = []
     names = list(impls)
     print(f"{torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, hidden 2048")

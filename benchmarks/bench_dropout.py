@@ -14,26 +14,10 @@ import json
 import math
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench
 
 import flashgen
-
-TOKENS, HIDDEN = 16384, 2048
-
-
-def _sdpa(backend_name):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-
-    def call(q, k, v, causal, dropout_p):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
-
-    return call
-
+from bench_bwd_peers import HIDDEN, TOKENS, _sdpa, available
 
 IMPLS = {
     "flashgen": lambda: (lambda q, k, v, causal, dropout_p:
@@ -51,12 +35,7 @@ def main() -> None:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    impls = {}
-    for name in args.impls.split(","):
-        try:
-            impls[name] = IMPLS[name]()
-        except Exception as exc:  # a peer that is missing is reported, not fatal
-            print(f"{name}: unavailable ({type(exc).__name__}: {exc})")
+    impls, _ = available(args.impls, IMPLS)
     print(f"{torch.cuda.get_device_name()}: forward + backward TFLOP/s with dropout_p={args.dropout}, bf16")
     print(f"{'shape':<20}" + "".join(f"{name:>12}" for name in impls) + "   flashgen / fa2")
     rows, ratios = [], []
@@ -70,7 +49,7 @@ def main() -> None:
         row = {"head_dim": head_dim, "seqlen": seqlen, "causal": causal}
         for name, forward in impls.items():
             def step():
-                out = forward(q, k, v, causal, args.dropout)
+                out = forward(q, k, v, causal, dropout_p=args.dropout)
                 torch.autograd.grad(out, (q, k, v), dout)
             try:
                 row[name] = flops / do_bench(step, warmup=20, rep=100, return_mode="median") / 1e9

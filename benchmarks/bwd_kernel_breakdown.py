@@ -15,7 +15,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_bwd_peers import HIDDEN, IMPLS, TOKENS
+from bench_bwd_peers import HIDDEN, IMPLS, TOKENS, available
 
 CALLS = 5
 
@@ -49,12 +49,7 @@ def main() -> None:
     parser.add_argument("--gqa", default="1,4")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    impls = {}
-    for name in args.impls.split(","):
-        try:
-            impls[name] = IMPLS[name]()
-        except Exception as exc:  # a peer that is not installed is left out, with the reason
-            print(f"# {name} left out: {type(exc).__name__}: {exc}")
+    impls, _ = available(args.impls, IMPLS)
     results = []
     for head_dim, seqlen, gqa, causal in itertools.product(
             (int(d) for d in args.head_dims.split(",")), (int(s) for s in args.seqlens.split(",")),
