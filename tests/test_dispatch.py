@@ -77,6 +77,37 @@ def test_plan_pack_gqa_choices():
     assert not plan(nheads=16, nheads_k=16, pack_gqa=True).spec.pack_gqa    # MHA: same kernel
 
 
+def test_pack_gqa_rule():
+    from flashgen.runtime.dispatch import pack_gqa_for
+
+    rule = dict(nheads=32, nheads_k=8, pack_gqa=None, cc=90, seqlen_q=4096, block_m=128, varlen=False, paged=False,
+                num_splits=1)
+    assert not pack_gqa_for(**rule)  # full tiles unpacked: the heuristic keeps them
+    assert pack_gqa_for(**{**rule, "num_splits": 3})  # split-KV packs
+    assert not pack_gqa_for(**{**rule, "num_splits": 0})  # the heuristic's count, not chosen yet
+    for change in (dict(cc=80), dict(paged=True), dict(varlen=True), dict(seqlen_q=1)):
+        assert pack_gqa_for(**{**rule, **change}), change
+    assert pack_gqa_for(**{**rule, "nheads": 2 * 65535, "nheads_k": 65535})  # unpacked heads past gridDim.y
+    assert pack_gqa_for(**{**rule, "pack_gqa": True})
+    assert not pack_gqa_for(**{**rule, "pack_gqa": False, "num_splits": 3})  # explicit wins
+    assert not pack_gqa_for(**{**rule, "nheads": 8, "pack_gqa": True, "cc": 80})  # MHA never packs
+    # The sm90 family: the heuristic's packing for groups that divide its 128 rows, without dropout.
+    sm90 = {**rule, "seqlen_q": 1, "sm90": True}
+    assert pack_gqa_for(**sm90) and not pack_gqa_for(**sm90, dropout=True)
+    six = {**sm90, "nheads": 12, "nheads_k": 2}
+    assert not pack_gqa_for(**six) and pack_gqa_for(**{**six, "sm90": False}) and pack_gqa_for(**{**six, "pack_gqa": True})
+
+
+def test_plan_split_heuristic_packs_gqa():
+    # Unpacked full tiles (the heuristic does not pack them) but few CTAs: the split heuristic's count,
+    # chosen for the unpacked grid, then the packed geometry with it.
+    call = dict(batch=1, nheads=32, nheads_k=8, seqlen_q=128, seqlen_k=65536)
+    assert not plan(**call).spec.pack_gqa
+    p = plan(**call, num_splits=0)
+    assert p.spec.pack_gqa and p.num_splits > 1 and p.grid == (4, 8, p.num_splits)
+    assert p.num_splits == plan(**call, num_splits=0, pack_gqa=False).num_splits  # 32 CTAs either way
+
+
 def test_plan_softcap_and_mask_switches():
     assert plan(softcap=30.0).spec.softcap
     assert not plan(softcap=0.0).spec.softcap

@@ -131,6 +131,69 @@ def _splits_with_keys(num_splits: int, n_blocks: int) -> int:
     return -(-n_blocks // -(-n_blocks // num_splits))
 
 
+def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, seqlen_q: int, block_m: int,
+                 varlen: bool, paged: bool, num_splits: int, sm90: bool = False, dropout: bool = False) -> bool:
+    """Whether a forward call packs the query heads of a KV head into its tiles' rows (PackGQA).
+
+    MHA never packs (one head per group: the packed kernel computes the same thing). An explicit
+    ``pack_gqa`` wins. Otherwise the heuristic (heuristics.get_pack_gqa: always below sm_90, with
+    paged K/V and with split-KV, else where packing fills ``block_m``-row tiles better), and always
+    where the unpacked query heads would not fit gridDim.y. ``num_splits`` is the split count as
+    far as known: the caller's (0: the heuristic's, not chosen yet), then the chosen one, so that a
+    split-KV plan packs. The sm90 family (``sm90``) takes the heuristic's packing only for a group
+    that divides its 128-row tile and without dropout (no packed dropout instance); an explicit
+    pack_gqa=True that it cannot serve goes to the sm80 family. (Decode over a pair of KV heads,
+    FwdPlan.kv_head_group, packs their rows whatever this says, unless pack_gqa is False.)"""
+    if nheads == nheads_k:
+        return False
+    if pack_gqa is not None:
+        return bool(pack_gqa)
+    pack = heuristics.get_pack_gqa(
+        cc, nheads, nheads_k, seqlen_q, block_m, varlen_q=varlen, paged_kv_without_tma=paged, num_splits=num_splits,
+    ) or nheads > GRID_YZ_LIMIT
+    if sm90:
+        return pack and SM90_BLOCK_M % (nheads // nheads_k) == 0 and not dropout
+    return pack
+
+
+def _is_decode(rows: int, dropout: bool) -> bool:
+    """Whether the sm80 family takes its decode tile for a row block of ``rows`` (packed) rows."""
+    return rows <= DECODE_MAX_ROWS and not dropout
+
+
+@dataclasses.dataclass(frozen=True)
+class _FwdCall:
+    """plan_fwd's arguments, resolved: what the family planners read."""
+
+    dtype: str           # the matrix's name
+    arch: str
+    family: str          # the family that serves the call off the sm90 family
+    cc: int              # compute capability as 80, 86, 90
+    device: DeviceInfo
+    head_dim: int
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    mask: str
+    window_left: int
+    window_right: int
+    softcap: float
+    pack_gqa: bool | None
+    paged: bool
+    page_size: int
+    leftpad: bool
+    varlen: bool
+    varlen_uniform: bool
+    dropout: bool
+    kv_heads_adjacent: bool
+
+    @property
+    def qhead_per_khead(self) -> int:
+        return self.nheads // self.nheads_k
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_fwd(
     *,
@@ -175,132 +238,161 @@ def plan_fwd(
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
     sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
     unless ``family`` forces sm80; everything else runs the sm80 family.
+    PackGQA: pack_gqa_for.
     """
     device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
+    call = _FwdCall(
+        dtype=dtype, arch=arch, family=family, cc=device.capability[0] * 10 + device.capability[1], device=device,
+        head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        mask=mask, window_left=window_left, window_right=window_right, softcap=softcap, pack_gqa=pack_gqa,
+        paged=paged, page_size=page_size, leftpad=leftpad, varlen=varlen, varlen_uniform=varlen_uniform,
+        dropout=dropout, kv_heads_adjacent=kv_heads_adjacent,
+    )
     d_instance = instance_head_dim(head_dim)
-    cc = device.capability[0] * 10 + device.capability[1]
-    qhead_per_khead = nheads // nheads_k
-    default_tile = fwd_tile(family, arch, d_instance, mask)
-
-    if nheads == nheads_k:
-        pack = False  # one head per group: the packed kernel computes the same thing
-    elif pack_gqa is None:
-        pack = heuristics.get_pack_gqa(
-            cc, nheads, nheads_k, seqlen_q, default_tile.block_m, varlen_q=varlen, paged_kv_without_tma=paged,
-            num_splits=num_splits,
-        ) or nheads > GRID_YZ_LIMIT  # unpacked, the query heads would not fit gridDim.y
-    else:
-        pack = bool(pack_gqa)
-    rows = seqlen_q * qhead_per_khead if pack else seqlen_q
+    group = call.qhead_per_khead
+    # Both families' packing is judged by the fill of the sm80 family's prefill tile.
+    pack_rule = functools.partial(
+        pack_gqa_for, nheads=nheads, nheads_k=nheads_k, pack_gqa=pack_gqa, cc=call.cc, seqlen_q=seqlen_q,
+        block_m=fwd_tile(family, arch, d_instance, mask).block_m, varlen=varlen, paged=paged,
+    )
+    pack = pack_rule(num_splits=num_splits)
     if dropout and paged:
         raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
-    decode = rows <= DECODE_MAX_ROWS and not dropout
-    # The heuristic's packing, for a group that does not divide an sm90 tile's rows or with dropout
-    # (no packed dropout instance): unpacked sm90.
-    sm90_pack = pack and (pack_gqa is not None or (SM90_BLOCK_M % qhead_per_khead == 0 and not dropout))
+    decode = _is_decode(seqlen_q * group if pack else seqlen_q, dropout)
+    sm90_pack = pack_rule(num_splits=num_splits, sm90=True, dropout=dropout)
     # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
     if allow_sm90 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=qhead_per_khead, paged=paged,
+        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=group, paged=paged,
         decode=decode, varlen=varlen, dropout=dropout,
     ):
-        sm90_plan = _plan_fwd_sm90(
-            arch=arch, dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            nheads=nheads, nheads_k=nheads_k, mask=mask, window_left=window_left, window_right=window_right,
-            softcap=softcap, pack=sm90_pack, device=device, num_splits=num_splits, varlen=varlen,
-            varlen_uniform=varlen_uniform, paged=paged, dropout=dropout, page_size=page_size, leftpad=leftpad,
-        )
+        sm90_plan = _plan_fwd_sm90(call, sm90_pack, num_splits)
         if sm90_plan is not None:
             return sm90_plan
+    geometry = _sm80_geometry(call, pack, tuning)
+    splits = _sm80_num_splits(call, geometry, num_splits, tuning)
+    if not geometry.pack and pack_rule(num_splits=splits):
+        # Split-KV packs GQA heads: the packed geometry with the count chosen unpacked (more than
+        # one, so not chosen again: only clamped to the packed tile's key blocks).
+        geometry = _sm80_geometry(call, True, tuning)
+        splits = _sm80_num_splits(call, geometry, splits, tuning)
+    return _sm80_plan(call, geometry, splits, tuning)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sm80Geometry:
+    """The sm80 forward's tile and grid for a call at one PackGQA choice, before the split count."""
+
+    pack: bool           # the choice, or packed for a pair of KV heads
+    decode: bool
+    kv_head_group: int   # FwdPlan.kv_head_group
+    head_dim: int        # the instance's
+    tile: FwdTile
+    heads: int           # gridDim.y
+    m_blocks: int
+    n_blocks: int
+    cta_slots: int       # CTAs the GPU holds at once
+    ctas_per_sm: int
+    cluster_merge: bool  # decode splits may merge in a cluster (FwdPlan.merge_in_cluster)
+
+
+def _sm80_geometry(call: _FwdCall, pack: bool, tuning: Tuning) -> _Sm80Geometry:
+    """The sm80 forward's tile and grid for ``call`` with or without PackGQA (``pack``)."""
+    group = call.qhead_per_khead
+    rows = call.seqlen_q * group if pack else call.seqlen_q
+    decode = _is_decode(rows, call.dropout)
+    d_instance = instance_head_dim(call.head_dim)
     # Decode over pairs of adjacent KV heads: the packed rows of both fit one decode row block.
     kv_head_group = 2 if (
-        decode and kv_heads_adjacent and head_dim in tuning.decode_paired_head_dims and 2 * head_dim in HEAD_DIMS
-        and nheads_k % 2 == 0 and pack_gqa is not False
-        and 2 * seqlen_q * qhead_per_khead <= tile_table.FWD_DECODE_TILE.block_m
-        and batch * nheads_k // 2 >= tuning.decode_pair_min_sm_share * device.num_sms
+        decode and call.kv_heads_adjacent and call.head_dim in tuning.decode_paired_head_dims
+        and 2 * call.head_dim in HEAD_DIMS and call.nheads_k % 2 == 0 and call.pack_gqa is not False
+        and 2 * call.seqlen_q * group <= tile_table.FWD_DECODE_TILE.block_m
+        and call.batch * call.nheads_k // 2 >= tuning.decode_pair_min_sm_share * call.device.num_sms
     ) else 1
     if kv_head_group > 1:
-        pack, d_instance = True, kv_head_group * head_dim
-        rows = seqlen_q * qhead_per_khead * kv_head_group
-    tile = fwd_tile(family, arch, d_instance, mask, decode, paged=paged)
-    heads = nheads_k // kv_head_group if pack else nheads
-    # (Varlen calls keep the combine: it writes the zeros of rows past seqused_q.)
-    cluster_merge = tuning.merge_in_cluster and decode and cc >= 90 and not varlen
-    m_blocks = max(1, -(-rows // tile.block_m))
+        pack, d_instance = True, kv_head_group * call.head_dim
+        rows = call.seqlen_q * group * kv_head_group
+    tile = fwd_tile(call.family, call.arch, d_instance, call.mask, decode, paged=call.paged)
+    ctas_per_sm = tile.ctas_per_sm(d_instance, call.device.smem_per_sm)
+    return _Sm80Geometry(
+        pack, decode, kv_head_group, d_instance, tile,
+        heads=call.nheads_k // kv_head_group if pack else call.nheads,
+        m_blocks=max(1, -(-rows // tile.block_m)),
+        n_blocks=max(1, -(-call.seqlen_k // tile.block_n)),
+        cta_slots=call.device.num_sms * ctas_per_sm,
+        ctas_per_sm=ctas_per_sm,
+        # (Varlen calls keep the combine: it writes the zeros of rows past seqused_q.)
+        cluster_merge=tuning.merge_in_cluster and decode and call.cc >= 90 and not call.varlen,
+    )
 
-    n_blocks = max(1, -(-seqlen_k // tile.block_n))
-    ctas_per_sm = tile.ctas_per_sm(d_instance, device.smem_per_sm)
-    cta_slots = device.num_sms * ctas_per_sm
 
-    def clusters_merge(splits: int) -> bool:
-        grid = m_blocks * heads * batch * splits
-        short_splits = -(-n_blocks // splits) <= tuning.cluster_max_split_blocks(d_instance)
-        return grid <= tuning.decode_cluster_max_fill * cta_slots and (
-            splits <= 2 or short_splits or 2 * grid <= device.num_sms)
+def _clusters_merge(call: _FwdCall, g: _Sm80Geometry, splits: int, tuning: Tuning) -> bool:
+    """Whether ``splits`` splits of each tile merge in a cluster rather than through the combine."""
+    grid = g.m_blocks * g.heads * call.batch * splits
+    short_splits = -(-g.n_blocks // splits) <= tuning.cluster_max_split_blocks(g.head_dim)
+    return grid <= tuning.decode_cluster_max_fill * g.cta_slots and (
+        splits <= 2 or short_splits or 2 * grid <= call.device.num_sms)
 
+
+def _sm80_num_splits(call: _FwdCall, g: _Sm80Geometry, num_splits: int, tuning: Tuning) -> int:
+    """The sm80 forward's split count: ``num_splits`` as plan_fwd takes it (0: the heuristic's)."""
     if num_splits == 0:
-        total_mblocks = m_blocks * heads * batch
-        max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // batch))
-        slots = device.num_sms * min(tuning.decode_split_ctas_per_sm, ctas_per_sm) if decode else cta_slots
+        total_mblocks = g.m_blocks * g.heads * call.batch
+        max_splits = min(MAX_SPLITS, max(1, GRID_YZ_LIMIT // call.batch))
+        slots = call.device.num_sms * min(tuning.decode_split_ctas_per_sm, g.ctas_per_sm) if g.decode else g.cta_slots
         num_splits = heuristics.num_splits_heuristic(
-            total_mblocks, slots, n_blocks, m_blocks,
-            seqlen_k * head_dim * kv_head_group * 2 * 2, mask != "none", max_splits,
-            l2_bytes=device.l2_bytes,
+            total_mblocks, slots, g.n_blocks, g.m_blocks,
+            call.seqlen_k * call.head_dim * g.kv_head_group * 2 * 2, call.mask != "none", max_splits,
+            l2_bytes=call.device.l2_bytes,
         )
-        if decode and tuning.decode_fill_wave and num_splits > 1 and total_mblocks * num_splits < slots:
+        if g.decode and tuning.decode_fill_wave and num_splits > 1 and total_mblocks * num_splits < slots:
             filled = min(slots // total_mblocks, max_splits)
-            if n_blocks // max(filled, 1) >= tuning.decode_fill_min_blocks:
+            if g.n_blocks // max(filled, 1) >= tuning.decode_fill_min_blocks:
                 num_splits = max(num_splits, filled)
-        if cluster_merge and num_splits > tuning.decode_cluster_splits and n_blocks <= tuning.decode_cluster_max_blocks \
-                and clusters_merge(tuning.decode_cluster_splits):
+        if g.cluster_merge and num_splits > tuning.decode_cluster_splits \
+                and g.n_blocks <= tuning.decode_cluster_max_blocks \
+                and _clusters_merge(call, g, tuning.decode_cluster_splits, tuning):
             num_splits = tuning.decode_cluster_splits
-    num_splits = _splits_with_keys(num_splits, n_blocks)
-    if num_splits > 1 and pack_gqa is None and not pack and nheads != nheads_k:
-        # Split-KV always packs GQA heads (get_pack_gqa); redo the geometry with packing.
-        return plan_fwd(
-            dtype=dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-            nheads=nheads, nheads_k=nheads_k, causal=causal, window_size=window_size,
-            softcap=softcap, pack_gqa=True, device=device, paged=paged, num_splits=num_splits,
-            family=family, varlen=varlen, varlen_uniform=varlen_uniform, dropout=dropout, sm90=sm90,
-            page_size=page_size, leftpad=leftpad, kv_heads_adjacent=kv_heads_adjacent, tuning=tuning,
-        )
-    spec = KernelSpec("fwd", family, arch, dtype, d_instance, mask, softcap > 0, pack, paged, decode, dropout)
-    grid = (m_blocks, heads, batch * num_splits)
-    merge_in_cluster = cluster_merge and 1 < num_splits <= tuning.decode_cluster_splits and clusters_merge(num_splits)
+    return _splits_with_keys(num_splits, g.n_blocks)
+
+
+def _sm80_plan(call: _FwdCall, g: _Sm80Geometry, num_splits: int, tuning: Tuning) -> FwdPlan:
+    spec = KernelSpec("fwd", call.family, call.arch, call.dtype, g.head_dim, call.mask, call.softcap > 0, g.pack,
+                      call.paged, g.decode, call.dropout)
+    grid = (g.m_blocks, g.heads, call.batch * num_splits)
+    merge_in_cluster = g.cluster_merge and 1 < num_splits <= tuning.decode_cluster_splits \
+        and _clusters_merge(call, g, num_splits, tuning)
     ctas = grid[0] * grid[1] * grid[2]
-    dependent = decode and cc >= 90 and tuning.decode_dependent_launch and (
-        ctas <= tuning.decode_dependent_max_sm_share * device.num_sms or ctas > cta_slots)
-    return FwdPlan(spec, tile, grid, num_splits, window_left, window_right, merge_in_cluster, dependent,
-                   kv_head_group)
+    dependent = g.decode and call.cc >= 90 and tuning.decode_dependent_launch and (
+        ctas <= tuning.decode_dependent_max_sm_share * call.device.num_sms or ctas > g.cta_slots)
+    return FwdPlan(spec, g.tile, grid, num_splits, call.window_left, call.window_right, merge_in_cluster, dependent,
+                   g.kv_head_group)
 
 
-def _plan_fwd_sm90(
-    *, arch, dtype, head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_k, mask, window_left, window_right,
-    softcap, pack, device: DeviceInfo, num_splits, varlen, varlen_uniform, paged, dropout, page_size, leftpad,
-) -> FwdPlan | None:
+def _plan_fwd_sm90(call: _FwdCall, pack: bool, num_splits: int) -> FwdPlan | None:
     """plan_fwd for a call the sm90 forward covers, or None where the kernel's 32-bit counters
     could overflow or dropout meets split-KV (no such instance): the sm80 grid serves those.
-    ``num_splits`` as plan_fwd takes it."""
-    sm90_head_dim = sm90_instance_head_dim(head_dim)
-    tile = fwd_tile("sm90", arch, sm90_head_dim, dropout=dropout)
+    ``pack``: pack_gqa_for's sm90 choice; ``num_splits`` as plan_fwd takes it."""
+    sm90_head_dim = sm90_instance_head_dim(call.head_dim)
+    tile = fwd_tile("sm90", call.arch, sm90_head_dim, dropout=call.dropout)
     # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
     # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
     # packed, a tile's rows are the (query, head) pairs of one KV head. With split-KV each tile is
     # num_splits units, one per share of the key blocks.
-    group = nheads // nheads_k if pack else 1
-    heads = nheads_k if pack else nheads
-    row_blocks = -(-seqlen_q * group // tile.block_m)
-    n_blocks = -(-seqlen_k // tile.block_n)
-    tiles = (-(-row_blocks // 2) if mask == "causal" else row_blocks) * heads * batch  # units unsplit
-    if num_splits == 0 and dropout:
+    group = call.qhead_per_khead if pack else 1
+    heads = call.nheads_k if pack else call.nheads
+    row_blocks = -(-call.seqlen_q * group // tile.block_m)
+    n_blocks = -(-call.seqlen_k // tile.block_n)
+    tiles = (-(-row_blocks // 2) if call.mask == "causal" else row_blocks) * heads * call.batch  # units unsplit
+    if num_splits == 0 and call.dropout:
         num_splits = 1  # no split dropout instance: the heuristic's choice stays on sm90 unsplit
     elif num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
         num_splits = heuristics.num_splits_heuristic(
-            tiles, device.num_sms, n_blocks, row_blocks,
-            seqlen_k * head_dim * 2 * 2, mask != "none", MAX_SPLITS, l2_bytes=device.l2_bytes,
+            tiles, call.device.num_sms, n_blocks, row_blocks,
+            call.seqlen_k * call.head_dim * 2 * 2, call.mask != "none", MAX_SPLITS, l2_bytes=call.device.l2_bytes,
         )
     num_splits = _splits_with_keys(num_splits, n_blocks)
-    if dropout and num_splits > 1:  # asked for: the sm80 family splits with dropout
+    if call.dropout and num_splits > 1:  # asked for: the sm80 family splits with dropout
         return None
     units = tiles * num_splits
     # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
@@ -308,17 +400,17 @@ def _plan_fwd_sm90(
     # one CTA per unit, handed out by the hardware as CTAs finish. Sequences all of one length
     # keep the persistent grid, whose K/V loads run ahead into the next unit (H200, bf16: 16 x
     # 1024 tokens 6-11% faster than one CTA per unit; 16 ragged d256 causal 0.61x of it).
-    ctas = units if varlen and not varlen_uniform else min(units, device.num_sms)
+    ctas = units if call.varlen and not call.varlen_uniform else min(units, call.device.num_sms)
     # The kernel counts rows, work units and each CTA's next unit (its last + the grid) in
     # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
-    if seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
+    if call.seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
         return None
     # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
     # pad: the gather instance; pages of whole blocks: the TMA's.
-    gather = paged and (leftpad or page_size <= 0 or page_size % tile.block_n != 0)
-    spec = KernelSpec("fwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, pack, paged, dropout=dropout,
-                      split=num_splits > 1, gather=gather)
-    return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, window_left, window_right)
+    gather = call.paged and (call.leftpad or call.page_size <= 0 or call.page_size % tile.block_n != 0)
+    spec = KernelSpec("fwd", "sm90", call.arch, call.dtype, sm90_head_dim, call.mask, call.softcap > 0, pack,
+                      call.paged, dropout=call.dropout, split=num_splits > 1, gather=gather)
+    return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, call.window_left, call.window_right)
 
 
 @dataclasses.dataclass(frozen=True)
