@@ -108,6 +108,16 @@ def test_every_spec_is_in_matrix_and_its_family_matches():
         matrix.family_for("sm_75")
 
 
+def test_find_instance_says_which_instances_exist():
+    assert all(matrix.find_instance(**spec.to_dict()) == spec for spec in matrix.all_specs())
+    sm90 = dict(direction="fwd", family="sm90", arch="sm_90a", dtype="bf16", head_dim=128, mask="causal")
+    assert matrix.find_instance(**sm90, pack_gqa=True, paged=True, split=True, gather=True) is not None
+    for change in (dict(head_dim=96), dict(arch="sm_80"), dict(dtype="fp32"),  # not in the matrix
+                   dict(decode=True), dict(dropout=True, pack_gqa=True), dict(dropout=True, split=True),
+                   dict(dropout=True, paged=True), dict(gather=True)):  # no instance can take them
+        assert matrix.find_instance(**{**sm90, **change}) is None, change
+
+
 @pytest.mark.parametrize(
     "capability, arch",
     [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 7), "sm_80"), ((8, 9), "sm_86"), ((9, 0), "sm_90a")],

@@ -219,4 +219,15 @@ def is_in_matrix(spec: KernelSpec) -> bool:
     return spec in _MATRIX_SET
 
 
+def find_instance(*fields, **switches) -> KernelSpec | None:
+    """The instance of these KernelSpec fields, if the matrix holds it; None if not, also for
+    switch values that no instance can take (KernelSpec refuses them). How the runtime asks which
+    instances exist instead of restating the rules above."""
+    try:
+        spec = KernelSpec(*fields, **switches)
+    except ValueError:
+        return None
+    return spec if spec in _MATRIX_SET else None
+
+
 _MATRIX_SET = frozenset(all_specs())
