@@ -78,17 +78,12 @@ def sm90_instance_head_dim(head_dim: int) -> int | None:
     return next((d for d in matrix.SM90_FWD_HEAD_DIMS if head_dim <= d), None)
 
 
-def sm90_covers(*, head_dim: int, mask: str, pack_gqa: bool, qhead_per_khead: int, paged: bool, decode: bool,
-                varlen: bool, dropout: bool) -> bool:
-    """Whether the sm90 forward has an instance for a call: any head dim up to the largest instance's
-    (sm90_instance_head_dim), any mask, softcap or not, dense or varlen, PackGQA when the group
-    divides the 128 rows of a tile (Q comes in one TMA box of 128 / G queries x G heads), and none
-    of the features it does not have yet (the decode tile and its split-KV, dropout with PackGQA or
-    paging: the dropout instances are unpacked and unpaged). Paged K/V of any page size: by TMA
-    where pages hold whole key blocks, else gathered (the gather instances, fwd_sm90.cuh: kGather)."""
-    return (sm90_instance_head_dim(head_dim) is not None and mask in matrix.SM90_FWD_MASKS
-            and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
-            and not (decode or (dropout and (pack_gqa or paged))))
+def sm90_covers(*, seqlen_k: int, pack_gqa: bool, qhead_per_khead: int) -> bool:
+    """What the sm90 forward needs of a call, whatever instances exist (the matrix says which do:
+    _plan_fwd_sm90 asks it): keys, as with none there is nothing for the TMA to map (the sm80
+    kernel writes the zeros and -inf lse), and with PackGQA a group that divides the 128 rows of a
+    tile (Q comes in one TMA box of 128 / G queries x G heads)."""
+    return seqlen_k > 0 and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
 
 
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):
@@ -236,8 +231,8 @@ def plan_fwd(
     two per CTA: Tuning.decode_paired_head_dims);
     ``tuning``: the knobs (runtime/tuning.py; the runtime passes tuning.current());
     ``sm90``: the caller's inputs allow the sm90 forward (tensors the TMA can read). On
-    sm_90a such a call takes the sm90 family when it has an instance for it (``sm90_covers``),
-    unless ``family`` forces sm80; everything else runs the sm80 family.
+    sm_90a such a call takes the sm90 family where it has an instance for it (sm90_covers and the
+    matrix: _plan_fwd_sm90), unless ``family`` forces sm80; everything else runs the sm80 family.
     PackGQA: pack_gqa_for.
     """
     device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
@@ -259,14 +254,11 @@ def plan_fwd(
     pack = pack_rule(num_splits=num_splits)
     if dropout and paged:
         raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
-    decode = _is_decode(seqlen_q * group if pack else seqlen_q, dropout)
-    sm90_pack = pack_rule(num_splits=num_splits, sm90=True, dropout=dropout)
-    # (No keys at all: nothing for the TMA to map; the sm80 kernel writes the zeros and -inf lse.)
-    if allow_sm90 and seqlen_k > 0 and sm90_covers(
-        head_dim=head_dim, mask=mask, pack_gqa=sm90_pack, qhead_per_khead=group, paged=paged,
-        decode=decode, varlen=varlen, dropout=dropout,
-    ):
-        sm90_plan = _plan_fwd_sm90(call, sm90_pack, num_splits)
+    if allow_sm90:
+        # Calls the sm80 family would run on its decode tile stay there (the sm90 family has none).
+        decode = _is_decode(seqlen_q * group if pack else seqlen_q, dropout)
+        sm90_plan = _plan_fwd_sm90(call, pack_rule(num_splits=num_splits, sm90=True, dropout=dropout), decode,
+                                   num_splits)
         if sm90_plan is not None:
             return sm90_plan
     geometry = _sm80_geometry(call, pack, tuning)
@@ -369,12 +361,28 @@ def _sm80_plan(call: _FwdCall, g: _Sm80Geometry, num_splits: int, tuning: Tuning
                    g.kv_head_group)
 
 
-def _plan_fwd_sm90(call: _FwdCall, pack: bool, num_splits: int) -> FwdPlan | None:
-    """plan_fwd for a call the sm90 forward covers, or None where the kernel's 32-bit counters
-    could overflow or dropout meets split-KV (no such instance): the sm80 grid serves those.
-    ``pack``: pack_gqa_for's sm90 choice; ``num_splits`` as plan_fwd takes it."""
+def _plan_fwd_sm90(call: _FwdCall, pack: bool, decode: bool, num_splits: int) -> FwdPlan | None:
+    """plan_fwd on the sm90 family, or None where it does not serve the call: what the call needs
+    of it (sm90_covers), an instance in the matrix for the call and its split count (dropout:
+    unsplit only), and the kernel's 32-bit counters. The sm80 family serves the rest. ``pack``:
+    pack_gqa_for's sm90 choice; ``decode``: the sm80 family would take its decode tile;
+    ``num_splits`` as plan_fwd takes it."""
+    if not sm90_covers(seqlen_k=call.seqlen_k, pack_gqa=pack, qhead_per_khead=call.qhead_per_khead):
+        return None
     sm90_head_dim = sm90_instance_head_dim(call.head_dim)
+    if sm90_head_dim is None:
+        return None
     tile = fwd_tile("sm90", call.arch, sm90_head_dim, dropout=call.dropout)
+    # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
+    # pad: the gather instance; pages of whole blocks: the TMA's.
+    gather = call.paged and (call.leftpad or call.page_size <= 0 or call.page_size % tile.block_n != 0)
+
+    def instance(split: bool) -> KernelSpec | None:
+        return matrix.find_instance("fwd", "sm90", call.arch, call.dtype, sm90_head_dim, call.mask, call.softcap > 0,
+                                    pack, call.paged, decode, call.dropout, split=split, gather=gather)
+
+    if instance(split=False) is None:
+        return None
     # Persistent: one CTA per SM at most, each looping over work units: (batch, head, row block)
     # tiles, or under the causal mask pairs of row blocks of equal total cost (fwd_sm90.cuh);
     # packed, a tile's rows are the (query, head) pairs of one KV head. With split-KV each tile is
@@ -384,15 +392,16 @@ def _plan_fwd_sm90(call: _FwdCall, pack: bool, num_splits: int) -> FwdPlan | Non
     row_blocks = -(-call.seqlen_q * group // tile.block_m)
     n_blocks = -(-call.seqlen_k // tile.block_n)
     tiles = (-(-row_blocks // 2) if call.mask == "causal" else row_blocks) * heads * call.batch  # units unsplit
-    if num_splits == 0 and call.dropout:
-        num_splits = 1  # no split dropout instance: the heuristic's choice stays on sm90 unsplit
+    if num_splits == 0 and instance(split=True) is None:
+        num_splits = 1  # no split instance (dropout): the heuristic's choice stays on sm90 unsplit
     elif num_splits == 0:  # the CTAs without splits are the units: causal pairs count once
         num_splits = heuristics.num_splits_heuristic(
             tiles, call.device.num_sms, n_blocks, row_blocks,
             call.seqlen_k * call.head_dim * 2 * 2, call.mask != "none", MAX_SPLITS, l2_bytes=call.device.l2_bytes,
         )
     num_splits = _splits_with_keys(num_splits, n_blocks)
-    if call.dropout and num_splits > 1:  # asked for: the sm80 family splits with dropout
+    spec = instance(split=num_splits > 1)
+    if spec is None:  # a split asked for without a split instance (dropout): the sm80 family splits
         return None
     units = tiles * num_splits
     # Varlen: the units come from the longest sequence, and the lengths are on the device, so a
@@ -405,11 +414,6 @@ def _plan_fwd_sm90(call: _FwdCall, pack: bool, num_splits: int) -> FwdPlan | Non
     # 32-bit ints; beyond them (reachable with varlen) the sm80 grid serves.
     if call.seqlen_q * group + tile.block_m >= 2**31 or units + ctas >= 2**31:
         return None
-    # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
-    # pad: the gather instance; pages of whole blocks: the TMA's.
-    gather = call.paged and (call.leftpad or call.page_size <= 0 or call.page_size % tile.block_n != 0)
-    spec = KernelSpec("fwd", "sm90", call.arch, call.dtype, sm90_head_dim, call.mask, call.softcap > 0, pack,
-                      call.paged, dropout=call.dropout, split=num_splits > 1, gather=gather)
     return FwdPlan(spec, tile, (ctas, 1, 1), num_splits, call.window_left, call.window_right)
 
 
