@@ -219,6 +219,7 @@ def is_in_matrix(spec: KernelSpec) -> bool:
     return spec in _MATRIX_SET
 
 
+@functools.lru_cache(maxsize=4096)
 def find_instance(*fields, **switches) -> KernelSpec | None:
     """The instance of these KernelSpec fields, if the matrix holds it; None if not, also for
     switch values that no instance can take (KernelSpec refuses them). How the runtime asks which
