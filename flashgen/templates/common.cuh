@@ -229,6 +229,12 @@ __device__ __forceinline__ float softcap_score(float s, float softcap, float sof
 // ALiBi: the score minus slope * |i + diag - j| (shifted_row = i + diag), or given that distance as
 // a float (exact below 2^24), which lets a caller step it by constants: one add and one FMA a score.
 __device__ __forceinline__ float alibi_score(float s, float slope, float distance) { return s - slope * fabsf(distance); }
+
+// A row's logsumexp (natural log) from its running maximum (in score units) and its sum of
+// exp2(score * scale_log2 - max * scale_log2); -inf for a row that saw no key (sum 0).
+__device__ __forceinline__ float row_lse(float row_max, float sum, float scale_log2) {
+    return sum > 0.f ? (row_max * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+}
 __device__ __forceinline__ float alibi_score(float s, float slope, int shifted_row, int key) {
     return alibi_score(s, slope, float(shifted_row - key));
 }

@@ -710,8 +710,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                         }
                     }
                     if (lane % 4 == 0) {
-                        reinterpret_cast<float*>(params.lseaccum_ptr)[index] =
-                            sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                        reinterpret_cast<float*>(params.lseaccum_ptr)[index] = row_lse(row_max[half], sum, scale_log2);
                     }
                 }
             }
@@ -736,7 +735,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
                             Element::pack2(acc_o[i * 4 + 2 * half] * inv_sum, acc_o[i * 4 + 2 * half + 1] * inv_sum);
                     }
                     if (lane % 4 == 0) {
-                        *lse_out = sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                        *lse_out = row_lse(row_max[half], sum, scale_log2);
                     }
                 }
             }
@@ -757,7 +756,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const Sm90FwdParams& args) {
             if (lane % 4 == 0 && row0 + 8 * half < rows) {
                 reinterpret_cast<float*>(params.lse_ptr)[bidb * params.lse_batch_stride +
                                                          row_head[half] * params.lse_head_stride + q_offset + row_pos[half]] =
-                    sum > 0.f ? (row_max[half] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -kInfinity;
+                    row_lse(row_max[half], sum, scale_log2);
             }
         }
         int const warp_row0 = consumer * 64 + (warp % 4) * 16;  // this warp's 16 rows of the tile
