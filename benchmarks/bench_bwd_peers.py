@@ -7,12 +7,14 @@ when causal), bf16, batch x seqlen = 16k tokens, hidden 2048 (nheads = 2048 / d;
 KV heads). Each backward runs through one untimed forward; medians of do_bench.
 
     python benchmarks/bench_bwd_peers.py [--head-dims 64,128] [--seqlens 1024,4096,16384] \
-        [--gqa 1,4] [--impls flashgen,flashgen-det,fa4,fa4-det,cudnn,fa2] [--out results.json]
+        [--gqa 1,4] [--impls flashgen,flashgen-det,flashgen-sm80,fa4,fa4-det,cudnn,fa2] [--out results.json]
 """
 import argparse
+import contextlib
 import itertools
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,27 @@ TOKENS, HIDDEN = 16384, 2048
 
 def _flashgen(deterministic):
     return lambda q, k, v, causal: flashgen.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+
+
+def _flashgen_family(family):
+    """flashgen with FLASHGEN_FAMILY set while it runs (sm80: the sm80 backward on Hopper too)."""
+    call = _flashgen(False)
+    call.env = {"FLASHGEN_FAMILY": family}
+    return call
+
+
+@contextlib.contextmanager
+def _environment(env):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _fa4(deterministic):
@@ -65,6 +88,7 @@ def available(names: str, table: dict) -> tuple[dict, dict]:
 IMPLS = {
     "flashgen": lambda: _flashgen(False),
     "flashgen-det": lambda: _flashgen(True),
+    "flashgen-sm80": lambda: _flashgen_family("sm80"),
     "fa4": lambda: _fa4(False),
     "fa4-det": lambda: _fa4(True),
     "cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
@@ -73,9 +97,10 @@ IMPLS = {
 
 
 def backward_ms(forward, q, k, v, dout, causal) -> float:
-    out = forward(q, k, v, causal)
-    return do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                    warmup=30, rep=150, return_mode="median")
+    with _environment(getattr(forward, "env", {})):
+        out = forward(q, k, v, causal)
+        return do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                        warmup=30, rep=150, return_mode="median")
 
 
 def main() -> None:
@@ -122,7 +147,8 @@ def main() -> None:
             if name != peer and ratios:
                 summary[f"{name}/{peer}"] = {"geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
                                              "min": min(ratios), "shapes": len(ratios)}
-    for key in ("flashgen/fa4", "flashgen/cudnn", "flashgen-det/flashgen", "flashgen-det/fa4-det"):
+    for key in ("flashgen/fa4", "flashgen/cudnn", "flashgen/flashgen-sm80", "flashgen-det/flashgen",
+                "flashgen-det/fa4-det"):
         if key in summary:
             s = summary[key]
             print(f"{key}: geomean {s['geomean']:.3f}, min {s['min']:.3f} over {s['shapes']} shapes")
