@@ -542,27 +542,29 @@ def _plan_bwd(**overrides):
     return plan_bwd(**{**kwargs, **overrides})
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim, key_blocks", [(64, 8), (128, 8), (256, 16)])
 @pytest.mark.parametrize("causal, window_size, mask", [(False, (-1, -1), "none"), (True, (-1, -1), "causal"),
                                                        (False, (16, 4), "local")])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, causal, window_size, mask, softcap):
+def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, key_blocks, causal, window_size, mask,
+                                                                     softcap):
     from flashgen.generator import tiles
 
     chosen = _plan_bwd(head_dim=head_dim, causal=causal, window_size=window_size, softcap=softcap, sm90=True)
     assert (chosen.spec.family, chosen.spec.arch, chosen.spec.mask, chosen.spec.softcap) == (
         "sm90", "sm_90a", mask, softcap > 0)
     assert is_in_matrix(chosen.spec) and chosen.tile == tiles.bwd_tile("sm90", "sm_90a", head_dim)
-    # One CTA per 128 keys, per KV head and batch; 384 threads; within the target's shared memory.
-    assert chosen.grid == (8, 4, 2) and chosen.tile.num_threads == 384
+    # One CTA per 128 keys (d256: 64, the split columns), per KV head and batch; 384 threads;
+    # within the target's shared memory.
+    assert chosen.grid == (key_blocks, 4, 2) and chosen.tile.num_threads == 384
     assert chosen.smem_bytes == chosen.tile.smem_bytes(head_dim) <= tiles.smem_limit("sm_90a")
 
 
 @pytest.mark.parametrize("overrides", [
     dict(sm90=False),                    # inputs the TMA cannot read, or seqused (flash_bwd)
     dict(sm90=True, family="sm80"),      # the sm80 family forced
-    dict(sm90=True, head_dim=136),       # above the largest sm90 backward instance
-    dict(sm90=True, head_dim=256),
+    dict(sm90=True, head_dim=136, deterministic=True),  # split columns add dQ in no fixed order
+    dict(sm90=True, head_dim=256, deterministic=True),
     dict(sm90=True, device=(8, 0)),      # not Hopper
 ])
 def test_sm90_backward_leaves_the_rest_to_sm80(overrides):
@@ -576,7 +578,8 @@ def test_sm90_backward_with_dropout():
     assert chosen.spec.family == "sm90" and chosen.spec.dropout and is_in_matrix(chosen.spec), chosen.spec
 
 
-@pytest.mark.parametrize("head_dim, instance", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128)])
+@pytest.mark.parametrize("head_dim, instance", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128),
+                                               (136, 256), (192, 256), (256, 256)])
 def test_sm90_backward_serves_head_dims_below_an_instance_on_it(head_dim, instance):
     chosen = _plan_bwd(head_dim=head_dim, sm90=True)
     assert (chosen.spec.family, chosen.spec.head_dim) == ("sm90", instance) and is_in_matrix(chosen.spec)
@@ -587,15 +590,22 @@ def test_sm90_backward_tiles_and_widths():
 
     for head_dim in matrix.SM90_BWD_HEAD_DIMS:
         tile = tiles.bwd_tile("sm90", "sm_90a", head_dim)
-        # Sm90BwdTraits' asserts: two consumers of 64 keys; each dQ share whole 64-column panels.
-        assert tile.block_n == 128 and tile.block_m in (64, 128) and tile.dq_mma_width(head_dim) % 64 == 0
+        # Sm90BwdTraits' asserts: two consumers of 64 keys each, or sharing 64 keys with the columns
+        # split above d128 (a consumer's dK and dV in registers); each dQ share whole 64-column panels.
+        assert tile.split_columns == (head_dim > 128) and tile.block_n == (64 if tile.split_columns else 128)
+        assert tile.block_m in (64, 128) and tile.dq_mma_width(head_dim) % 64 == 0
+        assert tile.dkv_mma_width(head_dim) % 64 == 0 and tile.dkv_mma_width(head_dim) <= 128
+        assert tile.dq_by_tile == (not tile.split_columns)
         assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
         # Every wgmma N the kernel issues has a rendered wrapper.
-        assert {tile.block_m, head_dim, tile.dq_mma_width(head_dim)} <= set(tiles.sm90_mma_widths())
+        widths = {tile.s_mma_width, tile.dkv_mma_width(head_dim), tile.dq_mma_width(head_dim)}
+        assert widths <= set(tiles.sm90_mma_widths())
     with pytest.raises(ValueError, match="sm90 family has no backward tile"):
         tiles.bwd_tile("sm90", "sm_90a", 96)
     with pytest.raises(ValueError, match="dQ"):
         tiles.Sm90BwdTile(96)
+    with pytest.raises(ValueError, match="split columns"):
+        tiles.Sm90BwdTile(128, block_n=64)
 
 
 def test_tma_compatible_inputs():

@@ -28,10 +28,10 @@ BASE_FAMILY = "sm80"
 # tensor's, which add nothing to Q·Kᵀ, and the kernel stores O into a padded buffer (run_fwd).
 SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)
 SM90_FWD_MASKS = ("none", "causal", "local")
-# Head dims with an sm90 backward instance (bwd_sm90.cuh: dK and dV of a consumer's 64 keys stay in
-# registers up to d128); smaller head dims run on the next one up. Every mask and softcap; the sm80
-# backward serves larger head dims.
-SM90_BWD_HEAD_DIMS = (64, 128)
+# Head dims with an sm90 backward instance (bwd_sm90.cuh: up to d128 a consumer's dK and dV of 64
+# keys and every column in registers, at d256 of half the columns); smaller head dims run on the
+# next one up. Every mask and softcap.
+SM90_BWD_HEAD_DIMS = (64, 128, 256)
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
 
 

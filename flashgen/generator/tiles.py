@@ -222,30 +222,52 @@ _FWD_SM90 = {
 }
 
 
-SM90_BWD_BLOCK_N = 128  # keys of an sm90 backward CTA: two consumer warpgroups of 64 (kBlockN)
-
-
 @dataclasses.dataclass(frozen=True)
 class Sm90BwdTile(_Sm90Warpgroups):
-    """The sm90 backward's CTA (bwd_sm90.cuh): a producer warpgroup and two consumer warpgroups of 64
-    keys each, K and V resident, a ring of `stages` Q and dO blocks of block_m queries (with their
-    LSE and D rows), two dSᵀ buffers; 128-byte swizzled panels of 64 head-dim columns."""
-    block_m: int     # queries per step: the N of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, the K of dV and dK
+    """The sm90 backward's CTA (bwd_sm90.cuh): a producer warpgroup and two consumer warpgroups, K and
+    V resident, a ring of `stages` Q and dO blocks of block_m queries (with their LSE and D rows),
+    two dSᵀ buffers; 128-byte swizzled panels of 64 head-dim columns. block_n 128: 64 keys per
+    consumer, all head-dim columns; block_n 64 (split columns): both consumers on the 64 keys, each
+    with half the step's queries in Sᵀ and dPᵀ and half the columns of dK, dV and dQ, two Pᵀ
+    buffers beside the dSᵀ ones, dQ added from registers (no fp32 tile)."""
+    block_m: int     # queries per step: the K of dV and dK
+    block_n: int = 128
     stages: int = 2  # Q/dO blocks in flight
     producer_registers: int = 24
-    block_n: int = SM90_BWD_BLOCK_N
     num_warps: int = 12
 
     def __post_init__(self) -> None:
         self._check_registers()
-        if self.block_m not in (64, 128) or self.block_n != SM90_BWD_BLOCK_N:
-            raise ValueError(f"{self}: dQ = dS·K splits 64 or 128 queries over the two consumer warpgroups, "
-                             f"which own {SM90_BWD_BLOCK_N} keys")
+        if self.block_n not in (64, 128) or self.block_m not in (64, 128):
+            raise ValueError(f"{self}: the consumers own 64 keys each (block_n 128) or share 64 (block_n 64); "
+                             "dQ = dS·K splits 64 or 128 queries over them")
+        if self.split_columns and self.block_m != 64:
+            raise ValueError(f"{self}: split columns take 64-query steps (one dSᵀ panel, 32 queries a consumer)")
+
+    @property
+    def split_columns(self) -> bool:
+        """Both consumers on all the keys, the head-dim columns split between them (kSplitColumns)."""
+        return self.block_n == 64
+
+    @property
+    def dq_by_tile(self) -> bool:
+        """dQ through the shared fp32 tile and TMA reductions, which the deterministic order needs;
+        split columns add it from registers."""
+        return not self.split_columns
 
     @property
     def d_slices(self) -> int:
         """One CTA per key block holds all head-dim columns (the deterministic semaphores' layout)."""
         return 1
+
+    @property
+    def s_mma_width(self) -> int:
+        """N of each consumer's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the step's queries, or half (split columns)."""
+        return self.block_m // 2 if self.split_columns else self.block_m
+
+    def dkv_mma_width(self, head_dim: int) -> int:
+        """N of each consumer's dV and dK wgmma: all columns, or half (split columns)."""
+        return head_dim // 2 if self.split_columns else head_dim
 
     def dq_mma_width(self, head_dim: int) -> int:
         """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), or all 64
@@ -253,30 +275,35 @@ class Sm90BwdTile(_Sm90Warpgroups):
         return head_dim if self.block_m == 128 else head_dim // 2
 
     def smem_bytes(self, head_dim: int) -> int:
-        """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ buffers, the fp32 dQ
-        tile, per stage the LSE and D rows, 3 + 2 * stages mbarriers."""
+        """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns,
+        two Pᵀ) buffers, the fp32 dQ tile unless split, per stage the LSE and D rows, 3 + 2 * stages
+        mbarriers."""
         panels = head_dim // 64
+        transposed_buffers = 4 if self.split_columns else 2
+        dq_tile = self.block_m * head_dim * 4 if self.dq_by_tile else 0
         return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
-                + 2 * self.block_n * self.block_m * ELEMENT_BYTES + self.block_m * head_dim * 4
+                + transposed_buffers * self.block_n * self.block_m * ELEMENT_BYTES + dq_tile
                 + 2 * self.stages * self.block_m * 4 + 8 * (3 + 2 * self.stages))
 
 
-# (head_dim) -> sm90 backward tile. 128 keys per CTA; at d64 128-query steps (Sᵀ and dPᵀ 64
-# registers each, dK and dV 32), at d128 64 (dK and dV take 64 each). dQ goes through the shared
-# tile and TMA reductions (faster than atomics or a bulk copy per row); neither a third Q/dO stage
-# nor computing Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
+# (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
+# dV 32), at d128 64 (dK and dV take 64 each); at d256 the consumers split the columns of 64 keys
+# (dK and dV 64 registers each again). dQ goes through the shared tile and TMA reductions where
+# it fits (faster than atomics or a bulk copy per row); neither a third Q/dO stage nor computing
+# Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
+    256: Sm90BwdTile(64, block_n=64),
 }
 
 
 def sm90_mma_widths() -> tuple[int, ...]:
     """The wgmma N the sm90 tiles need: the forward's key blocks (S = Q·Kᵀ) and head dims (O += P·V),
-    the backward's query blocks (Sᵀ, dPᵀ), head dims (dV, dK) and dQ widths."""
+    the backward's Sᵀ and dPᵀ query columns, dV and dK columns and dQ widths."""
     widths = {tile.block_n for tile in _FWD_SM90.values()} | set(_FWD_SM90)
     for head_dim, tile in _BWD_SM90.items():
-        widths |= {tile.block_m, head_dim, tile.dq_mma_width(head_dim)}
+        widths |= {tile.s_mma_width, tile.dkv_mma_width(head_dim), tile.dq_mma_width(head_dim)}
     return tuple(sorted(widths))
 
 

@@ -3,7 +3,7 @@
 // (the forward's LSE, D = rowsum(dO ∘ O) from the preprocess kernel, an fp32 dQ buffer that the
 // postprocess kernel converts).
 //
-// A CTA owns kBlockN = 128 keys of one (batch, KV head), loops over the query heads of its group
+// A CTA owns kBlockN keys of one (batch, KV head), loops over the query heads of its group
 // and the query blocks that see its keys (kBlockM queries a step), and is three warpgroups:
 //   warpgroup 0, the producer: one thread loads K and V once and each step's Q and dO by TMA into
 //     a ring of kStages stages; warp 1 writes the step's LSE (in log2 units) and D rows next to
@@ -19,6 +19,11 @@
 //       stored to a shared fp32 tile that a thread of the producer warpgroup adds to the fp32 dQ
 //       buffer by TMA reductions;
 //     at the end, dK (scaled) and dV through K's and V's tiles (stmatrix) to global in whole rows.
+// Above d128 a consumer's dK and dV of 64 keys and every column would not fit its registers: there
+// the CTA owns 64 keys, which both consumers share (kSplitColumns), each computing Sᵀ and dPᵀ for
+// half of the step's queries and dK, dV and dQ for half of the head-dim columns, with Pᵀ and dSᵀ
+// exchanged through shared memory (the A of dV and dK), and dQ added from registers: the fp32 tile
+// and its TMA reductions do not fit beside two Q/dO stages, so these instances are not deterministic.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
 // the dSᵀ tile is [key][query] in panels of 64 queries with the same swizzle, written by the
 // consumers. Rows past a tensor's end are zero-filled by the TMA, rows past a varlen sequence's
@@ -28,7 +33,7 @@
 // Head dims below an instance's run on it: the TMA zero-fills Q's, K's, V's and dO's columns past the
 // call's, which add nothing; dK and dV are stored for the call's columns, and the dQ buffer's
 // tensor map, as wide as the call, drops the tile's extra columns. Not here (the sm80 backward
-// serves those calls): seqused_q/k, head dims above 128.
+// serves those calls): seqused_q/k, the deterministic mode above d128.
 //
 // Deterministic mode (params.semaphore_ptr set, a counter per (batch, query head, query block)):
 // the key blocks that see a query block add their dQ to it in a fixed order, each after the
@@ -94,26 +99,35 @@ struct Sm90BwdParams {
     BwdParams p;
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kStages_, Mask kMask_, bool kSoftcap_, bool kDropout_,
-          int kProducerRegs_, int kConsumerRegs_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, Mask kMask_, bool kSoftcap_,
+          bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;  // queries per step
-    static constexpr int kBlockN = 128;       // keys: two consumer warpgroups of 64
+    static constexpr int kBlockN = kBlockN_;  // keys of the CTA
     static constexpr int kStages = kStages_;  // Q/dO (and LSE/D) stages
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask on P (and dP)
+    // How the consumers share a step. kBlockN 128: 64 keys each, all head-dim columns. kBlockN 64
+    // (kSplitColumns; above d128, where one consumer's dK and dV of every column would not fit its
+    // registers): all 64 keys each, Sᵀ and dPᵀ for half the step's queries, dK, dV and dQ for half
+    // the columns; Pᵀ joins dSᵀ in shared memory, the A of dV = Pᵀ·dO and dK = dSᵀ·Q.
+    static constexpr bool kSplitColumns = kBlockN == 64;
+    static constexpr int kSQueries = kSplitColumns ? kBlockM / 2 : kBlockM;    // N of a consumer's Sᵀ and dPᵀ
+    static constexpr int kDKVWidth = kSplitColumns ? kHeadDim / 2 : kHeadDim;  // N of its dK and dV
     static constexpr int kPanels = kHeadDim / 64;
     static constexpr int kPanelKBytes = kBlockN * 128;
     static constexpr int kKBytes = kPanels * kPanelKBytes;  // K or V
     static constexpr int kPanelQBytes = kBlockM * 128;
     static constexpr int kQBytes = kPanels * kPanelQBytes;  // Q or dO, one stage
-    // dSᵀ: [key][query], panels of 64 queries by kBlockN keys (the MN-major A of dQ = dS·K).
+    // dSᵀ (and Pᵀ, split columns): [key][query], panels of 64 queries by kBlockN keys (K-major, the
+    // A of dK and dV; MN-major, the A of dQ = dS·K).
     static constexpr int kPanelDSBytes = kBlockN * 128;
     static constexpr int kDSBytes = kBlockM / 64 * kPanelDSBytes;
+    static constexpr int kPBytes = kSplitColumns ? kDSBytes : 0;
     // Each consumer's share of a step's dQ: 64 queries by all columns (kBlockM 128), or all 64
     // queries by half the columns (kBlockM 64). Its N, kDQWidth, is whole 64-column panels of K.
     static constexpr bool kDQSplitColumns = kBlockM == 64;
@@ -121,15 +135,20 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kStatsBytes = 2 * kBlockM * 4;  // LSE and D rows, one stage
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
-    // for 256 bytes), added to the dQ buffer by TMA reductions, one per box.
+    // for 256 bytes), added to the dQ buffer by TMA reductions, one per box. Split columns leave no
+    // room for the tile: the consumers add their dQ from registers (red.global), in no fixed order.
+    static constexpr bool kDQByTile = !kSplitColumns;
     static constexpr int kDQBoxBytes = kBlockM * 128;
-    static constexpr int kDQBytes = kHeadDim / 32 * kDQBoxBytes;
+    static constexpr int kDQBytes = kDQByTile ? kHeadDim / 32 * kDQBoxBytes : 0;
     static constexpr int kBarriers = 3 + 2 * kStages;  // K/V; dQ full and empty; full and empty per stage
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
-    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDSBytes + kDQBytes +
-                                      kStages * kStatsBytes + 8 * kBarriers;
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "head dims of whole 64-column panels, dK and dV in registers");
+    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
+                                      kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
+    static_assert(kBlockN == 128 || kBlockN == 64, "two consumers of 64 keys each, or sharing 64");
+    static_assert(kHeadDim % 64 == 0 && kDKVWidth % 64 == 0 && kDKVWidth <= 128,
+                  "head dims of whole 64-column panels, a consumer's dK and dV in registers");
     static_assert((kBlockM == 64 || kBlockM == 128) && kDQWidth % 64 == 0, "dQ shares of whole panels");
+    static_assert(!kSplitColumns || kBlockM == 64, "split columns: one dSᵀ panel, each consumer's queries in half of it");
 };
 
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
@@ -187,18 +206,18 @@ struct Sm90BwdStep {
     int key_group;       // dropout: the 64-key group of this thread's keys
 };
 
-// Sᵀ -> Pᵀ and dPᵀ -> dSᵀ in place, for one consumer's 64 keys x kBlockM queries (accumulator
+// Sᵀ -> Pᵀ and dPᵀ -> dSᵀ in place, for one consumer's 64 keys x kSQueries queries (accumulator
 // layout: element i * 4 + e is key `key + 8 (e / 2)`, query `query + 8 i + e % 2`). dSᵀ is in
 // raw-score units over the softmax scale (the scale is applied to dK here and dQ in the
 // postprocess kernel). Masked elements are 0 in both.
 template <typename Tr, bool kNeedMask, bool kAlibi>
-__device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kBlockM / 2], float (&dp)[Tr::kBlockM / 2],
+__device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSQueries / 2], float (&dp)[Tr::kSQueries / 2],
                                                       const Sm90BwdStep& a, const BwdParams& params,
                                                       const Dropout& dropout) {
     int const lane = threadIdx.x % 32;
     int const chunk_in_group = (threadIdx.x / 32) % 4;  // the warp's 16 keys within the consumer's 64
 #pragma unroll
-    for (int i = 0; i < Tr::kBlockM / 8; ++i) {
+    for (int i = 0; i < Tr::kSQueries / 8; ++i) {
         float2 const lse2 = ld_shared_f32x2(a.lse + (i * 8 + 2 * (lane % 4)) * 4);
         float2 const dsum2 = ld_shared_f32x2(a.dsum + (i * 8 + 2 * (lane % 4)) * 4);
         // Dropout: the Philox words of the n8 tile's two query columns for this thread's chunk.
@@ -269,7 +288,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     uint32_t const sK = smem, sV = smem + Tr::kKBytes;
     uint32_t const sQ0 = sV + Tr::kKBytes, sdO0 = sQ0 + kStages * Tr::kQBytes;
     uint32_t const sdS0 = sdO0 + kStages * Tr::kQBytes;
-    uint32_t const sdQ = sdS0 + 2 * Tr::kDSBytes;
+    uint32_t const sP0 = sdS0 + 2 * Tr::kDSBytes;  // split columns
+    uint32_t const sdQ = sP0 + 2 * Tr::kPBytes;
     uint32_t const sStats0 = sdQ + Tr::kDQBytes;
     auto sQ = [&](int stage) { return sQ0 + stage * Tr::kQBytes; };
     auto sdO = [&](int stage) { return sdO0 + stage * Tr::kQBytes; };
@@ -383,7 +403,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
                 mbar_arrive(full(stage));
             }
-        } else if (warp == 2) {
+        } else if (Tr::kDQByTile && warp == 2) {
             // dQ: once both consumers have stored a step's tile, lane 0 adds it to the fp32 dQ
             // buffer by TMA reductions (rows past the tensor are dropped) and releases the tile
             // when the reductions have read it. (Off the consumers' path, and whole lines for the
@@ -453,29 +473,37 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         return;
     }
 
-    // ---- Consumers: warpgroup c (0 or 1) owns keys 64 c .. 64 c + 63 of the block; thread (warp w
-    // of the warpgroup, lane) holds keys 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1
-    // of each n8 tile of Sᵀ, dPᵀ, dK and dV (the wgmma accumulator layout).
+    // ---- Consumers: warpgroup c (0 or 1) owns keys 64 c .. 64 c + 63 of the block (split columns:
+    // all 64, and queries 32 c .. of a step, columns kDKVWidth c .. of dK and dV); thread (warp w of
+    // the warpgroup, lane) holds keys 16 w + lane / 4 and + 8, columns 8 i + 2 (lane % 4), + 1 of
+    // each n8 tile of Sᵀ, dPᵀ, dK and dV (the wgmma accumulator layout).
     setmaxnreg_inc<Tr::kConsumerRegs>();
     // Warp-uniform for the compiler (a shuffle from lane 0), so that the descriptors derived from it
     // live in uniform registers.
     int const consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
-    int const key_in_block = consumer * 64 + (warp % 4) * 16 + lane / 4;
-    constexpr int kSRegs = kBlockM / 2, kDKRegs = kHeadDim / 2, kDQRegs = Tr::kDQWidth / 2;
+    // This consumer's keys of the block and queries of the step (Sᵀ, dPᵀ), and its dK and dV columns.
+    int const keys0 = Tr::kSplitColumns ? 0 : consumer * 64;
+    int const queries0 = Tr::kSplitColumns ? consumer * Tr::kSQueries : 0;
+    int const dkv_col0 = Tr::kSplitColumns ? consumer * Tr::kDKVWidth : 0;
+    int const key_in_block = keys0 + (warp % 4) * 16 + lane / 4;
+    constexpr int kSRegs = Tr::kSQueries / 2, kDKRegs = Tr::kDKVWidth / 2, kDQRegs = Tr::kDQWidth / 2;
     // Descriptors of this consumer's K and V rows (K-major: the A of Sᵀ and dPᵀ) and of K MN-major
     // from dQ's first column (the B of dQ = dS·K), moved per MMA by constants.
-    uint64_t const desc_k = smem_desc_sw128(sK + consumer * 64 * 128, 16, 1024);
-    uint64_t const desc_v = smem_desc_sw128(sV + consumer * 64 * 128, 16, 1024);
+    uint64_t const desc_k = smem_desc_sw128(sK + keys0 * 128, 16, 1024);
+    uint64_t const desc_v = smem_desc_sw128(sV + keys0 * 128, 16, 1024);
     // This consumer's share of dQ: queries dq_q0 .. + 63, columns dq_col0 .. + kDQWidth - 1.
     int const dq_q0 = Tr::kDQSplitColumns ? 0 : consumer * 64;
     int const dq_col0 = Tr::kDQSplitColumns ? consumer * Tr::kDQWidth : 0;
     uint64_t const desc_kt = smem_desc_sw128(sK + (dq_col0 / 64) * Tr::kPanelKBytes, Tr::kPanelKBytes, 1024);
-    // Stage 0's Q and dO (K-major and MN-major) and dSᵀ buffer 0 from this consumer's dQ queries
-    // (MN-major: the A of dQ); each step moves them to its stage and buffer.
-    uint64_t const desc_q0 = smem_desc_sw128(sQ(0), 16, 1024), desc_do0 = smem_desc_sw128(sdO(0), 16, 1024);
-    uint64_t const desc_q0_mn = smem_desc_sw128(sQ(0), Tr::kPanelQBytes, 1024);
-    uint64_t const desc_do0_mn = smem_desc_sw128(sdO(0), Tr::kPanelQBytes, 1024);
+    // Stage 0's Q and dO (K-major from this consumer's queries; MN-major from its dK and dV
+    // columns) and dSᵀ buffer 0 from its dQ queries (MN-major: the A of dQ); each step moves them to
+    // its stage and buffer. Split columns: Pᵀ and dSᵀ K-major (the A of dV and dK).
+    uint64_t const desc_q0 = smem_desc_sw128(sQ(0) + queries0 * 128, 16, 1024);
+    uint64_t const desc_do0 = smem_desc_sw128(sdO(0) + queries0 * 128, 16, 1024);
+    uint64_t const desc_q0_mn = smem_desc_sw128(sQ(0) + (dkv_col0 / 64) * Tr::kPanelQBytes, Tr::kPanelQBytes, 1024);
+    uint64_t const desc_do0_mn = smem_desc_sw128(sdO(0) + (dkv_col0 / 64) * Tr::kPanelQBytes, Tr::kPanelQBytes, 1024);
     uint64_t const desc_ds0 = smem_desc_sw128(sdS0 + (dq_q0 / 64) * Tr::kPanelDSBytes, Tr::kPanelDSBytes, 1024);
+    uint64_t const desc_p0_k = smem_desc_sw128(sP0, 16, 1024), desc_ds0_k = smem_desc_sw128(sdS0, 16, 1024);
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
 
@@ -536,14 +564,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // 16 columns = 32 bytes within the 128-byte panel rows.
             uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
             uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
-            wgmma_ss<Element, kBlockM, 0>(s, smem_desc_moved(desc_k, k_offset_bytes),
+            wgmma_ss<Element, Tr::kSQueries, 0>(s, smem_desc_moved(desc_k, k_offset_bytes),
                                           smem_desc_moved(desc_q, q_offset_bytes), k > 0);
         }
 #pragma unroll
         for (int k = 0; k < kHeadDim / 16; ++k) {
             uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
             uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
-            wgmma_ss<Element, kBlockM, 0>(dp, smem_desc_moved(desc_v, k_offset_bytes),
+            wgmma_ss<Element, Tr::kSQueries, 0>(dp, smem_desc_moved(desc_v, k_offset_bytes),
                                           smem_desc_moved(desc_do, q_offset_bytes), k > 0);
         }
         wgmma_commit();
@@ -554,13 +582,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // Pᵀ and dSᵀ, instantiated per (mask needed, ALiBi): a block without either issues none of
         // their instructions. The mask: keys past seqlen_k, or a window edge crossing this
         // consumer's 64 keys x the step's queries.
-        int const wg_key0 = key0 + consumer * 64;
+        int const wg_key0 = key0 + keys0;
         bool const need_mask = wg_key0 + 64 > seqlen_k ||
                                (kMasked && (q0 + diag + params.window_right < wg_key0 + 63 ||
                                             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > wg_key0)));
-        Sm90BwdStep const step{sLSE(stage), sD(stage), key0 + key_in_block, q0 + 2 * (lane % 4), diag, seqlen_k,
+        Sm90BwdStep const step{sLSE(stage) + queries0 * 4, sD(stage) + queries0 * 4, key0 + key_in_block,
+                               q0 + queries0 + 2 * (lane % 4), diag, seqlen_k,
                                slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f,
-                               uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + consumer * 64) / 64};
+                               uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + keys0) / 64};
         if (need_mask) {
             if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
             else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
@@ -568,33 +597,44 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
             else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
         }
-        uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-        // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, all
-        // head-dim columns its N (MN-major, panels kPanelQBytes apart).
-        auto issue_dv = [&]() {
+        uint32_t p_frag[Tr::kSQueries / 16][4], ds_frag[Tr::kSQueries / 16][4];
+        // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, this
+        // consumer's dK and dV columns its N (MN-major, panels kPanelQBytes apart). Pᵀ and dSᵀ from
+        // registers, or (split columns) the whole step's from shared memory, 16 queries = 32 bytes
+        // of a row a MMA.
+        uint64_t const desc_p_k = smem_desc_moved(desc_p0_k, (t & 1) * Tr::kPBytes);
+        uint64_t const desc_ds_k = smem_desc_moved(desc_ds0_k, (t & 1) * Tr::kDSBytes);
+        auto issue_dkv = [&](float (&acc)[kDKRegs], const uint32_t (&frag)[Tr::kSQueries / 16][4], uint64_t desc_a,
+                             uint64_t desc_b) {
+            if constexpr (Tr::kSplitColumns) {
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk)
-                wgmma_rs<Element, kHeadDim, 1>(acc_dv, p_frag[kk], smem_desc_moved(desc_do_mn, kk * 16 * 128), 1);
-        };
-        auto issue_dk = [&]() {
+                for (int kk = 0; kk < kBlockM / 16; ++kk)
+                    wgmma_ss<Element, Tr::kDKVWidth, 1>(
+                        acc, smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
+                        smem_desc_moved(desc_b, kk * 16 * 128), 1);
+            } else {
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk)
-                wgmma_rs<Element, kHeadDim, 1>(acc_dk, ds_frag[kk], smem_desc_moved(desc_q_mn, kk * 16 * 128), 1);
+                for (int kk = 0; kk < kBlockM / 16; ++kk)
+                    wgmma_rs<Element, kHeadDim, 1>(acc, frag[kk], smem_desc_moved(desc_b, kk * 16 * 128), 1);
+            }
         };
-        // dSᵀ to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte chunk
-        // (query % 64) / 8 XOR key % 8 (the 128-byte swizzle).
+        auto issue_dv = [&]() { issue_dkv(acc_dv, p_frag, desc_p_k, desc_do_mn); };
+        auto issue_dk = [&]() { issue_dkv(acc_dk, ds_frag, desc_ds_k, desc_q_mn); };
+        // dSᵀ (or Pᵀ) to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte
+        // chunk (query % 64) / 8 XOR key % 8 (the 128-byte swizzle).
         uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
-        auto store_ds = [&]() {
-            // ds_frag[kk] is the four 8x8 matrices of n8 tiles 2 kk and 2 kk + 1, keys + 0 and + 8:
-            // one stmatrix, lane l the row of key ds_row + 8 ((l / 8) % 2) + l % 8, chunk
-            // 2 kk + l / 16 (2 kk XOR l / 16, swizzled).
-            int const ds_row = consumer * 64 + (warp % 4) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-            uint32_t const ds_lane = ds_buffer + ds_row * 128;
-            int const ds_chunk = (lane / 16) ^ (lane % 8);  // XOR 2 kk, then the panel of 2 kk
+        auto store_transposed = [&](uint32_t buffer, const uint32_t (&frag)[Tr::kSQueries / 16][4]) {
+            // frag[kk] is the four 8x8 matrices of n8 tiles 2 kk and 2 kk + 1, keys + 0 and + 8:
+            // one stmatrix, lane l the row of key row + 8 ((l / 8) % 2) + l % 8, chunk
+            // queries0 / 8 + 2 kk + l / 16 (split columns: queries0 / 8 is 0 or 4, and 2 kk + 1 < 4,
+            // so the sum is an XOR and stays in the first panel).
+            int const row = keys0 + (warp % 4) * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+            uint32_t const lane_row = buffer + row * 128;
+            int const chunk = (lane / 16) ^ (lane % 8) ^ (queries0 / 8);  // XOR 2 kk, then the panel of 2 kk
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk)
-                stmatrix_x4(ds_lane + ((2 * kk) / 8) * Tr::kPanelDSBytes + ((ds_chunk ^ ((2 * kk) % 8)) * 16),
-                            ds_frag[kk][0], ds_frag[kk][1], ds_frag[kk][2], ds_frag[kk][3]);
+            for (int kk = 0; kk < Tr::kSQueries / 16; ++kk)
+                stmatrix_x4(lane_row + ((2 * kk) / 8) * Tr::kPanelDSBytes + ((chunk ^ ((2 * kk) % 8)) * 16),
+                            frag[kk][0], frag[kk][1], frag[kk][2], frag[kk][3]);
             fence_proxy_async();  // visible to the wgmma (async proxy)
         };
         // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
@@ -628,31 +668,74 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             fence_proxy_async();  // visible to the TMA (async proxy)
             mbar_arrive(dq_full);
         };
+        // Split columns: this consumer's share added to the fp32 dQ buffer from registers (8-byte
+        // reductions), without the rows past the sequence's end and the columns past the call's.
+        auto add_dq = [&]() {
+            int const row = (warp % 4) * 16 + lane / 4;  // of the step's queries (dq_q0 is 0)
+            float* const dq_first = reinterpret_cast<float*>(params.dq_accum_ptr) +
+                                    (int64_t(bidb) * params.stats_batch_stride + int64_t(bidh) * params.stats_head_stride +
+                                     q_offset + q0 + row) * params.head_dim + dq_col0 + 2 * (lane % 4);
+            int const rows_left = seqlen_q - q0 - row;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                if (half * 8 >= rows_left) break;
+#pragma unroll
+                for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
+                    if (dq_col0 + 8 * i < params.head_dim)  // head dims are multiples of 8
+                        red_add_f32x2(dq_first + half * 8 * params.head_dim + 8 * i, acc_dq[i * 4 + 2 * half],
+                                      acc_dq[i * 4 + 2 * half + 1]);
+                }
+            }
+        };
 
-        // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
-        // before dK, so that dQ's tile store overlaps dK.
-        pack_fragments<Element>(s, p_frag);
-        fence_registers(acc_dv);
-        wgmma_fence();
-        issue_dv();
-        wgmma_commit();
-        pack_fragments<Element>(dp, ds_frag);
-        store_ds();
-        named_barrier_sync(1, Tr::kConsumerThreads);
-        fence_registers(acc_dk);
-        wgmma_fence();
-        issue_dq();
-        wgmma_commit();
-        issue_dk();
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dQ done
-        fence_registers(acc_dq);
-        store_dq();
-        wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
-        fence_registers(acc_dv);
-        fence_registers(acc_dk);
-        keep_fragments(p_frag);
-        keep_fragments(ds_frag);
+        if constexpr (Tr::kSplitColumns) {
+            // Both consumers' halves of Pᵀ and dSᵀ into their buffers, then dQ first, so that its
+            // reductions overlap dV and dK.
+            pack_fragments<Element>(s, p_frag);
+            store_transposed(sP0 + (t & 1) * Tr::kPBytes, p_frag);
+            pack_fragments<Element>(dp, ds_frag);
+            store_transposed(ds_buffer, ds_frag);
+            named_barrier_sync(1, Tr::kConsumerThreads);
+            fence_registers(acc_dv);
+            fence_registers(acc_dk);
+            wgmma_fence();
+            issue_dq();
+            wgmma_commit();
+            issue_dv();
+            issue_dk();
+            wgmma_commit();
+            wgmma_wait<1>();  // dQ done
+            fence_registers(acc_dq);
+            add_dq();
+            wgmma_wait<0>();  // dV and dK done: the stage's Q, dO, LSE and D are free
+            fence_registers(acc_dv);
+            fence_registers(acc_dk);
+        } else {
+            // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
+            // before dK, so that dQ's tile store overlaps dK.
+            pack_fragments<Element>(s, p_frag);
+            fence_registers(acc_dv);
+            wgmma_fence();
+            issue_dv();
+            wgmma_commit();
+            pack_fragments<Element>(dp, ds_frag);
+            store_transposed(ds_buffer, ds_frag);
+            named_barrier_sync(1, Tr::kConsumerThreads);
+            fence_registers(acc_dk);
+            wgmma_fence();
+            issue_dq();
+            wgmma_commit();
+            issue_dk();
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ done
+            fence_registers(acc_dq);
+            store_dq();
+            wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
+            fence_registers(acc_dv);
+            fence_registers(acc_dk);
+            keep_fragments(p_frag);
+            keep_fragments(ds_frag);
+        }
         mbar_arrive(empty(stage));
         if (stamps && t == 0) bwd_timeline_stamp(kFirstStepDone);
     }
@@ -671,11 +754,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 #endif
     named_barrier_sync(1, Tr::kConsumerThreads);
     int const matrix = lane / 8;  // stmatrix: n8 tiles 2 j + matrix / 2, rows + 8 (matrix % 2)
-    int const stage_row = consumer * 64 + (warp % 4) * 16 + (matrix % 2) * 8 + lane % 8;
+    int const stage_row = keys0 + (warp % 4) * 16 + (matrix % 2) * 8 + lane % 8;
     auto stage = [&](uint32_t tile, const float (&acc)[kDKRegs], float scale) {
 #pragma unroll
-        for (int j = 0; j < kHeadDim / 16; ++j) {
-            int const chunk = 2 * j + matrix / 2;  // 8 columns
+        for (int j = 0; j < Tr::kDKVWidth / 16; ++j) {
+            int const chunk = dkv_col0 / 8 + 2 * j + matrix / 2;  // 8 columns
             stmatrix_x4(tile + (chunk / 8) * Tr::kPanelKBytes + stage_row * 128 + (((chunk % 8) ^ (stage_row % 8)) * 16),
                         Element::pack2(acc[8 * j] * scale, acc[8 * j + 1] * scale),
                         Element::pack2(acc[8 * j + 2] * scale, acc[8 * j + 3] * scale),
@@ -690,10 +773,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                  bidh_kv * params.dk_head_stride;
     T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + k_offset * params.dv_row_stride +
                  bidh_kv * params.dv_head_stride;
-    constexpr int kChunks = kHeadDim / 8;  // of a row
+    constexpr int kChunks = Tr::kDKVWidth / 8;  // of a row's columns this consumer holds
 #pragma unroll
     for (int c = tid % 128; c < 64 * kChunks; c += 128) {
-        int const row = consumer * 64 + c / kChunks, chunk = c % kChunks, key = key0 + row;
+        int const row = keys0 + c / kChunks, chunk = dkv_col0 / 8 + c % kChunks, key = key0 + row;
         // Columns past a call narrower than the instance are the TMA's zeros: not stored.
         if (key < seqlen_k && chunk * 8 < params.head_dim) {
             uint32_t const offset = (chunk / 8) * Tr::kPanelKBytes + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
