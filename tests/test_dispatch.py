@@ -542,7 +542,7 @@ def _plan_bwd(**overrides):
     return plan_bwd(**{**kwargs, **overrides})
 
 
-@pytest.mark.parametrize("head_dim, key_blocks", [(64, 8), (128, 8), (256, 16)])
+@pytest.mark.parametrize("head_dim, key_blocks", [(64, 8), (128, 8), (192, 16), (256, 16)])
 @pytest.mark.parametrize("causal, window_size, mask", [(False, (-1, -1), "none"), (True, (-1, -1), "causal"),
                                                        (False, (16, 4), "local")])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
@@ -554,7 +554,7 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ke
     assert (chosen.spec.family, chosen.spec.arch, chosen.spec.mask, chosen.spec.softcap) == (
         "sm90", "sm_90a", mask, softcap > 0)
     assert is_in_matrix(chosen.spec) and chosen.tile == tiles.bwd_tile("sm90", "sm_90a", head_dim)
-    # One CTA per 128 keys (d256: 64, the split columns), per KV head and batch; 384 threads;
+    # One CTA per 128 keys (d192, d256: 64, the split columns), per KV head and batch; 384 threads;
     # within the target's shared memory.
     assert chosen.grid == (key_blocks, 4, 2) and chosen.tile.num_threads == 384
     assert chosen.smem_bytes == chosen.tile.smem_bytes(head_dim) <= tiles.smem_limit("sm_90a")
@@ -579,7 +579,7 @@ def test_sm90_backward_with_dropout():
 
 
 @pytest.mark.parametrize("head_dim, instance", [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128),
-                                               (136, 256), (192, 256), (256, 256)])
+                                               (136, 192), (192, 192), (200, 256), (256, 256)])
 def test_sm90_backward_serves_head_dims_below_an_instance_on_it(head_dim, instance):
     chosen = _plan_bwd(head_dim=head_dim, sm90=True)
     assert (chosen.spec.family, chosen.spec.head_dim) == ("sm90", instance) and is_in_matrix(chosen.spec)
@@ -593,13 +593,14 @@ def test_sm90_backward_tiles_and_widths():
         # Sm90BwdTraits' asserts: two consumers of 64 keys each, or sharing 64 keys with the columns
         # split above d128 (a consumer's dK and dV in registers); each dQ share whole 64-column panels.
         assert tile.split_columns == (head_dim > 128) and tile.block_n == (64 if tile.split_columns else 128)
-        assert tile.block_m in (64, 128) and tile.dq_mma_width(head_dim) % 64 == 0
-        assert tile.dkv_mma_width(head_dim) % 64 == 0 and tile.dkv_mma_width(head_dim) <= 128
+        dkv, dq = tile.dkv_mma_widths(head_dim), tile.dq_mma_widths(head_dim)
+        assert tile.block_m in (64, 128) and all(n % 64 == 0 for n in dkv + dq) and max(dkv) <= 128
+        # Split columns: the two consumers' dK and dV columns are all of the head dim's.
+        assert sum(dkv) == head_dim if tile.split_columns else dkv == (head_dim, head_dim)
         assert tile.dq_by_tile == (not tile.split_columns)
         assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
         # Every wgmma N the kernel issues has a rendered wrapper.
-        widths = {tile.s_mma_width, tile.dkv_mma_width(head_dim), tile.dq_mma_width(head_dim)}
-        assert widths <= set(tiles.sm90_mma_widths())
+        assert tile.mma_widths(head_dim) <= set(tiles.sm90_mma_widths())
     with pytest.raises(ValueError, match="sm90 family has no backward tile"):
         tiles.bwd_tile("sm90", "sm_90a", 96)
     with pytest.raises(ValueError, match="dQ"):

@@ -29,9 +29,9 @@ BASE_FAMILY = "sm80"
 SM90_FWD_HEAD_DIMS = (64, 128, 192, 256)
 SM90_FWD_MASKS = ("none", "causal", "local")
 # Head dims with an sm90 backward instance (bwd_sm90.cuh: up to d128 a consumer's dK and dV of 64
-# keys and every column in registers, at d256 of half the columns); smaller head dims run on the
-# next one up. Every mask and softcap.
-SM90_BWD_HEAD_DIMS = (64, 128, 256)
+# keys and every column in registers, at d192 and d256 of its share of the columns); smaller head
+# dims run on the next one up. Every mask and softcap.
+SM90_BWD_HEAD_DIMS = (64, 128, 192, 256)
 ALL_ARCHS = tuple(dict.fromkeys(a for archs in FAMILY_ARCHS.values() for a in archs))
 
 

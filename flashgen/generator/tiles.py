@@ -228,8 +228,9 @@ class Sm90BwdTile(_Sm90Warpgroups):
     V resident, a ring of `stages` Q and dO blocks of block_m queries (with their LSE and D rows),
     two dSᵀ buffers; 128-byte swizzled panels of 64 head-dim columns. block_n 128: 64 keys per
     consumer, all head-dim columns; block_n 64 (split columns): both consumers on the 64 keys, each
-    with half the step's queries in Sᵀ and dPᵀ and half the columns of dK, dV and dQ, two Pᵀ
-    buffers beside the dSᵀ ones, dQ added from registers (no fp32 tile)."""
+    with half the step's queries in Sᵀ and dPᵀ and its share of the 64-column panels in dK, dV and
+    dQ (consumer 0 the first half, rounded up), two Pᵀ buffers beside the dSᵀ ones, dQ added from
+    registers (no fp32 tile)."""
     block_m: int     # queries per step: the K of dV and dK
     block_n: int = 128
     stages: int = 2  # Q/dO blocks in flight
@@ -265,14 +266,25 @@ class Sm90BwdTile(_Sm90Warpgroups):
         """N of each consumer's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the step's queries, or half (split columns)."""
         return self.block_m // 2 if self.split_columns else self.block_m
 
-    def dkv_mma_width(self, head_dim: int) -> int:
-        """N of each consumer's dV and dK wgmma: all columns, or half (split columns)."""
-        return head_dim // 2 if self.split_columns else head_dim
+    def dkv_mma_widths(self, head_dim: int) -> tuple[int, int]:
+        """N of consumer 0's and consumer 1's dV and dK wgmma: all columns, or (split columns) the
+        first half of the 64-column panels, rounded up, and the rest."""
+        if not self.split_columns:
+            return head_dim, head_dim
+        first = -(-head_dim // 128) * 64
+        return first, head_dim - first
 
-    def dq_mma_width(self, head_dim: int) -> int:
-        """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), or all 64
-        queries and half the columns (block_m 64)."""
-        return head_dim if self.block_m == 128 else head_dim // 2
+    def dq_mma_widths(self, head_dim: int) -> tuple[int, int]:
+        """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), all 64
+        queries and half the columns (block_m 64), or (split columns) its dK and dV columns."""
+        if self.split_columns:
+            return self.dkv_mma_widths(head_dim)
+        width = head_dim if self.block_m == 128 else head_dim // 2
+        return width, width
+
+    def mma_widths(self, head_dim: int) -> set[int]:
+        """Every wgmma N the kernel issues at ``head_dim``."""
+        return {self.s_mma_width, *self.dkv_mma_widths(head_dim), *self.dq_mma_widths(head_dim)}
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns,
@@ -287,13 +299,14 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
 
 # (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
-# dV 32), at d128 64 (dK and dV take 64 each); at d256 the consumers split the columns of 64 keys
-# (dK and dV 64 registers each again). dQ goes through the shared tile and TMA reductions where
+# dV 32), at d128 64 (dK and dV take 64 each); at d192 and d256 the consumers split the columns of
+# 64 keys (dK and dV up to 64 registers each again). dQ goes through the shared tile and TMA reductions where
 # it fits (faster than atomics or a bulk copy per row); neither a third Q/dO stage nor computing
 # Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
+    192: Sm90BwdTile(64, block_n=64),
     256: Sm90BwdTile(64, block_n=64),
 }
 
@@ -303,7 +316,7 @@ def sm90_mma_widths() -> tuple[int, ...]:
     the backward's Sᵀ and dPᵀ query columns, dV and dK columns and dQ widths."""
     widths = {tile.block_n for tile in _FWD_SM90.values()} | set(_FWD_SM90)
     for head_dim, tile in _BWD_SM90.items():
-        widths |= {tile.s_mma_width, tile.dkv_mma_width(head_dim), tile.dq_mma_width(head_dim)}
+        widths |= tile.mma_widths(head_dim)
     return tuple(sorted(widths))
 
 

@@ -21,7 +21,7 @@
 //     at the end, dK (scaled) and dV through K's and V's tiles (stmatrix) to global in whole rows.
 // Above d128 a consumer's dK and dV of 64 keys and every column would not fit its registers: there
 // the CTA owns 64 keys, which both consumers share (kSplitColumns), each computing Sᵀ and dPᵀ for
-// half of the step's queries and dK, dV and dQ for half of the head-dim columns, with Pᵀ and dSᵀ
+// half of the step's queries and dK, dV and dQ for its share of the head-dim columns, with Pᵀ and dSᵀ
 // exchanged through shared memory (the A of dV and dK), and dQ added from registers: the fp32 tile
 // and its TMA reductions do not fit beside two Q/dO stages, so these instances are not deterministic.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
@@ -113,12 +113,16 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask on P (and dP)
     // How the consumers share a step. kBlockN 128: 64 keys each, all head-dim columns. kBlockN 64
     // (kSplitColumns; above d128, where one consumer's dK and dV of every column would not fit its
-    // registers): all 64 keys each, Sᵀ and dPᵀ for half the step's queries, dK, dV and dQ for half
-    // the columns; Pᵀ joins dSᵀ in shared memory, the A of dV = Pᵀ·dO and dK = dSᵀ·Q.
+    // registers): all 64 keys each, Sᵀ and dPᵀ for half the step's queries, dK, dV and dQ for its
+    // share of the 64-column panels (consumer 0 the first half, rounded up: d192 128 and 64); Pᵀ
+    // joins dSᵀ in shared memory, the A of dV = Pᵀ·dO and dK = dSᵀ·Q.
     static constexpr bool kSplitColumns = kBlockN == 64;
-    static constexpr int kSQueries = kSplitColumns ? kBlockM / 2 : kBlockM;    // N of a consumer's Sᵀ and dPᵀ
-    static constexpr int kDKVWidth = kSplitColumns ? kHeadDim / 2 : kHeadDim;  // N of its dK and dV
     static constexpr int kPanels = kHeadDim / 64;
+    static constexpr int kSQueries = kSplitColumns ? kBlockM / 2 : kBlockM;  // N of a consumer's Sᵀ and dPᵀ
+    // N of its dK and dV: consumer 0's (the arrays' size), consumer 1's.
+    static constexpr int kDKVWidth = kSplitColumns ? (kPanels + 1) / 2 * 64 : kHeadDim;
+    static constexpr int kDKVWidth1 = kSplitColumns ? kHeadDim - kDKVWidth : kHeadDim;
+    static constexpr bool kUnevenSplit = kDKVWidth1 != kDKVWidth;
     static constexpr int kPanelKBytes = kBlockN * 128;
     static constexpr int kKBytes = kPanels * kPanelKBytes;  // K or V
     static constexpr int kPanelQBytes = kBlockM * 128;
@@ -129,9 +133,11 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kDSBytes = kBlockM / 64 * kPanelDSBytes;
     static constexpr int kPBytes = kSplitColumns ? kDSBytes : 0;
     // Each consumer's share of a step's dQ: 64 queries by all columns (kBlockM 128), or all 64
-    // queries by half the columns (kBlockM 64). Its N, kDQWidth, is whole 64-column panels of K.
+    // queries by half the columns (kBlockM 64; split columns: its dK and dV columns). Its N,
+    // kDQWidth (consumer 1: kDQWidth1), is whole 64-column panels of K.
     static constexpr bool kDQSplitColumns = kBlockM == 64;
-    static constexpr int kDQWidth = kDQSplitColumns ? kHeadDim / 2 : kHeadDim;
+    static constexpr int kDQWidth = kSplitColumns ? kDKVWidth : kDQSplitColumns ? kHeadDim / 2 : kHeadDim;
+    static constexpr int kDQWidth1 = kSplitColumns ? kDKVWidth1 : kDQWidth;
     static constexpr int kStatsBytes = 2 * kBlockM * 4;  // LSE and D rows, one stage
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
@@ -145,7 +151,7 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
                                       kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
     static_assert(kBlockN == 128 || kBlockN == 64, "two consumers of 64 keys each, or sharing 64");
-    static_assert(kHeadDim % 64 == 0 && kDKVWidth % 64 == 0 && kDKVWidth <= 128,
+    static_assert(kHeadDim % 64 == 0 && kDKVWidth % 64 == 0 && kDKVWidth1 % 64 == 0 && kDKVWidth <= 128,
                   "head dims of whole 64-column panels, a consumer's dK and dV in registers");
     static_assert((kBlockM == 64 || kBlockM == 128) && kDQWidth % 64 == 0, "dQ shares of whole panels");
     static_assert(!kSplitColumns || kBlockM == 64, "split columns: one dSᵀ panel, each consumer's queries in half of it");
@@ -179,6 +185,13 @@ template <int N>
 __device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" ::"r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]) : "memory");
+}
+
+// The first N of an accumulator array (a narrower wgmma on the same registers).
+template <int N, int M>
+__device__ __forceinline__ float (&leading(float (&acc)[M]))[N] {
+    static_assert(N <= M, "a prefix of the array");
+    return *reinterpret_cast<float (*)[N]>(&acc[0]);
 }
 
 // A key block's step: its query block and query head of the group (flash_bwd_sm90's step order:
@@ -607,11 +620,20 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         auto issue_dkv = [&](float (&acc)[kDKRegs], const uint32_t (&frag)[Tr::kSQueries / 16][4], uint64_t desc_a,
                              uint64_t desc_b) {
             if constexpr (Tr::kSplitColumns) {
+                if (Tr::kUnevenSplit && consumer == 1) {
 #pragma unroll
-                for (int kk = 0; kk < kBlockM / 16; ++kk)
-                    wgmma_ss<Element, Tr::kDKVWidth, 1>(
-                        acc, smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
-                        smem_desc_moved(desc_b, kk * 16 * 128), 1);
+                    for (int kk = 0; kk < kBlockM / 16; ++kk)
+                        wgmma_ss<Element, Tr::kDKVWidth1, 1>(
+                            leading<Tr::kDKVWidth1 / 2>(acc),
+                            smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
+                            smem_desc_moved(desc_b, kk * 16 * 128), 1);
+                } else {
+#pragma unroll
+                    for (int kk = 0; kk < kBlockM / 16; ++kk)
+                        wgmma_ss<Element, Tr::kDKVWidth, 1>(
+                            acc, smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
+                            smem_desc_moved(desc_b, kk * 16 * 128), 1);
+                }
             } else {
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -642,10 +664,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         float acc_dq[kDQRegs];
         uint64_t const desc_ds = smem_desc_moved(desc_ds0, (t & 1) * Tr::kDSBytes);
         auto issue_dq = [&]() {
+            if (Tr::kUnevenSplit && consumer == 1) {
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, smem_desc_moved(desc_ds, kk * 16 * 128),
-                                                      smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
+                for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                    wgmma_ss<Element, Tr::kDQWidth1, 1, 1>(leading<Tr::kDQWidth1 / 2>(acc_dq),
+                                                           smem_desc_moved(desc_ds, kk * 16 * 128),
+                                                           smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                    wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, smem_desc_moved(desc_ds, kk * 16 * 128),
+                                                          smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
+                }
             }
         };
         // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
@@ -671,6 +702,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // Split columns: this consumer's share added to the fp32 dQ buffer from registers (8-byte
         // reductions), without the rows past the sequence's end and the columns past the call's.
         auto add_dq = [&]() {
+#if defined(FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD) && FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD
+            // A measurement variant (tune_bwd_sm90.py; wrong dQ): no reductions, behind a condition
+            // the compiler cannot decide, so that dQ's MMAs stay.
+            if (params.head_dim > 0) return;
+#endif
             int const row = (warp % 4) * 16 + lane / 4;  // of the step's queries (dq_q0 is 0)
             float* const dq_first = reinterpret_cast<float*>(params.dq_accum_ptr) +
                                     (int64_t(bidb) * params.stats_batch_stride + int64_t(bidh) * params.stats_head_stride +
@@ -681,6 +717,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 if (half * 8 >= rows_left) break;
 #pragma unroll
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
+                    if (Tr::kUnevenSplit && consumer == 1 && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
                     if (dq_col0 + 8 * i < params.head_dim)  // head dims are multiples of 8
                         red_add_f32x2(dq_first + half * 8 * params.head_dim + 8 * i, acc_dq[i * 4 + 2 * half],
                                       acc_dq[i * 4 + 2 * half + 1]);
@@ -758,6 +795,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     auto stage = [&](uint32_t tile, const float (&acc)[kDKRegs], float scale) {
 #pragma unroll
         for (int j = 0; j < Tr::kDKVWidth / 16; ++j) {
+            if (Tr::kUnevenSplit && consumer == 1 && j >= Tr::kDKVWidth1 / 16) break;  // its narrower share
             int const chunk = dkv_col0 / 8 + 2 * j + matrix / 2;  // 8 columns
             stmatrix_x4(tile + (chunk / 8) * Tr::kPanelKBytes + stage_row * 128 + (((chunk % 8) ^ (stage_row % 8)) * 16),
                         Element::pack2(acc[8 * j] * scale, acc[8 * j + 1] * scale),
@@ -773,7 +811,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                  bidh_kv * params.dk_head_stride;
     T* dv_base = reinterpret_cast<T*>(params.dv_ptr) + bidb * params.dv_batch_stride + k_offset * params.dv_row_stride +
                  bidh_kv * params.dv_head_stride;
-    constexpr int kChunks = Tr::kDKVWidth / 8;  // of a row's columns this consumer holds
+    // Of a row's columns this consumer holds (an uneven split's consumer 1: the chunks past its
+    // share are past the instance's head dim, which the store's column check leaves out).
+    constexpr int kChunks = Tr::kDKVWidth / 8;
 #pragma unroll
     for (int c = tid % 128; c < 64 * kChunks; c += 128) {
         int const row = keys0 + c / kChunks, chunk = dkv_col0 / 8 + c % kChunks, key = key0 + row;

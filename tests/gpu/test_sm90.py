@@ -575,7 +575,7 @@ def _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, 
 
 
 @pytest.mark.parametrize("kwargs, mask", BWD_FEATURES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", BWD_SHAPES)
 def test_sm90_bwd(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k):
@@ -586,7 +586,7 @@ def test_sm90_bwd(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, s
 # columns past the tensor's and dropping the dQ tile's (split columns: not adding them), dK/dV
 # stored for the call's columns.
 @pytest.mark.parametrize("kwargs, mask", [BWD_FEATURES[0], BWD_FEATURES[1], BWD_FEATURES[6]])
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 120, 136, 192, 200], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 96, 120, 136, 160, 200, 248], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=DTYPE_NAMES.get)
 @pytest.mark.parametrize("batch, seqlen_q, seqlen_k, nheads, nheads_k", [BWD_SHAPES[0], BWD_SHAPES[3]])
 def test_sm90_bwd_head_dim_below_the_instance(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q,
@@ -737,7 +737,7 @@ def test_sm90_bwd_varlen(monkeypatch, launched, lengths, head_dim, dtype, mask):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
-@pytest.mark.parametrize("head_dim", [16, 64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 192, 256], ids=lambda d: f"d{d}")
 def test_sm90_bwd_varlen_masks_keys_past_each_sequence(monkeypatch, launched, head_dim, causal):
     # One key per sequence, and large scores (flash_attn's test_flash_attn_bwd_varlen_overflow): the
     # keys of the next sequences in a block must be masked by this sequence's length, not the
@@ -759,12 +759,12 @@ def test_sm90_bwd_varlen_masks_keys_past_each_sequence(monkeypatch, launched, he
                          causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
 def test_sm90_bwd_varlen_nonfinite_stays_in_its_sequence(monkeypatch, launched, head_dim):
     from test_varlen import cu, varlen_grads
 
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
-    # Query blocks of 128 (d64) or 64 (d128, d256): either way sequence 0's last block holds 28 rows of sequence 1.
+    # Query blocks of 128 (d64) or 64 (d128 and up): either way sequence 0's last block holds 28 rows of sequence 1.
     lengths_q, lengths_k = [100, 200], [150, 200]
     q, k, v = (torch.randn(sum(n), 4, head_dim, dtype=torch.bfloat16, device="cuda")
                for n in (lengths_q, lengths_k, lengths_k))
