@@ -300,9 +300,10 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
 # (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
 # dV 32), at d128 64 (dK and dV take 64 each); at d192 and d256 the consumers split the columns of
-# 64 keys (dK and dV up to 64 registers each again). dQ goes through the shared tile and TMA reductions where
-# it fits (faster than atomics or a bulk copy per row); neither a third Q/dO stage nor computing
-# Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
+# 64 keys (dK and dV up to 64 registers each again). dQ goes through the shared tile and TMA
+# reductions where it fits (faster than atomics or a bulk copy per row; split columns' atomics cost
+# d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256); neither a third Q/dO stage
+# nor computing Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
