@@ -187,11 +187,18 @@ __device__ __forceinline__ void keep_fragments(const uint32_t (&a)[N][4]) {
     for (int i = 0; i < N; ++i) asm volatile("" ::"r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]) : "memory");
 }
 
-// The first N of an accumulator array (a narrower wgmma on the same registers).
-template <int N, int M>
-__device__ __forceinline__ float (&leading(float (&acc)[M]))[N] {
-    static_assert(N <= M, "a prefix of the array");
-    return *reinterpret_cast<float (*)[N]>(&acc[0]);
+// kSteps k16 wgmmas of width N, A and B from shared memory, into the first N / 2 registers of acc
+// (a narrower share on the same registers); step kk moves A by a_offset(kk) bytes and B by kk
+// rows of 128 bytes. The first step overwrites acc unless accumulate_first.
+template <typename Element, int N, int kTransB, int kTransA, int kSteps, int M, typename AOffset>
+__device__ __forceinline__ void wgmma_ss_steps(float (&acc)[M], uint64_t desc_a, AOffset a_offset, uint64_t desc_b,
+                                               bool accumulate_first) {
+    static_assert(N / 2 <= M, "a prefix of the accumulators");
+    float (&d)[N / 2] = *reinterpret_cast<float (*)[N / 2]>(&acc[0]);
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk)
+        wgmma_ss<Element, N, kTransB, kTransA>(d, smem_desc_moved(desc_a, a_offset(kk)),
+                                               smem_desc_moved(desc_b, kk * 16 * 128), accumulate_first || kk > 0);
 }
 
 // A key block's step: its query block and query head of the group (flash_bwd_sm90's step order:
@@ -620,20 +627,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         auto issue_dkv = [&](float (&acc)[kDKRegs], const uint32_t (&frag)[Tr::kSQueries / 16][4], uint64_t desc_a,
                              uint64_t desc_b) {
             if constexpr (Tr::kSplitColumns) {
-                if (Tr::kUnevenSplit && consumer == 1) {
-#pragma unroll
-                    for (int kk = 0; kk < kBlockM / 16; ++kk)
-                        wgmma_ss<Element, Tr::kDKVWidth1, 1>(
-                            leading<Tr::kDKVWidth1 / 2>(acc),
-                            smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
-                            smem_desc_moved(desc_b, kk * 16 * 128), 1);
-                } else {
-#pragma unroll
-                    for (int kk = 0; kk < kBlockM / 16; ++kk)
-                        wgmma_ss<Element, Tr::kDKVWidth, 1>(
-                            acc, smem_desc_moved(desc_a, (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32),
-                            smem_desc_moved(desc_b, kk * 16 * 128), 1);
-                }
+                auto a_offset = [](int kk) { return (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32; };
+                if (Tr::kUnevenSplit && consumer == 1)
+                    wgmma_ss_steps<Element, Tr::kDKVWidth1, 1, 0, kBlockM / 16>(acc, desc_a, a_offset, desc_b, true);
+                else
+                    wgmma_ss_steps<Element, Tr::kDKVWidth, 1, 0, kBlockM / 16>(acc, desc_a, a_offset, desc_b, true);
             } else {
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
@@ -664,20 +662,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         float acc_dq[kDQRegs];
         uint64_t const desc_ds = smem_desc_moved(desc_ds0, (t & 1) * Tr::kDSBytes);
         auto issue_dq = [&]() {
-            if (Tr::kUnevenSplit && consumer == 1) {
-#pragma unroll
-                for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                    wgmma_ss<Element, Tr::kDQWidth1, 1, 1>(leading<Tr::kDQWidth1 / 2>(acc_dq),
-                                                           smem_desc_moved(desc_ds, kk * 16 * 128),
-                                                           smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
-                }
-            } else {
-#pragma unroll
-                for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                    wgmma_ss<Element, Tr::kDQWidth, 1, 1>(acc_dq, smem_desc_moved(desc_ds, kk * 16 * 128),
-                                                          smem_desc_moved(desc_kt, kk * 16 * 128), kk > 0);
-                }
-            }
+            auto a_offset = [](int kk) { return kk * 16 * 128; };
+            if (Tr::kUnevenSplit && consumer == 1)
+                wgmma_ss_steps<Element, Tr::kDQWidth1, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt, false);
+            else
+                wgmma_ss_steps<Element, Tr::kDQWidth, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt, false);
         };
         // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
         // the previous step's. Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4
