@@ -4,13 +4,16 @@ in one process, rounds in turn.
     python benchmarks/tune_bwd_sm90.py --variants default FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE=1 \
         [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic] [--direction fwd]
 
-A variant is "default" or NAME=VALUE defines joined by "+"; they go to FLASHGEN_NVRTC_EXTRA_OPTIONS
-as -DNAME=VALUE (part of the cache key, so each gets its own cubins); the loaded-kernel memo is
-cleared between variants. bf16, 16k tokens, hidden 2048;
+A variant is "default" or items joined by "+": NAME=VALUE defines, which go to
+FLASHGEN_NVRTC_EXTRA_OPTIONS as -DNAME=VALUE (part of the cache key, so each gets its own cubins),
+or tile.D.FIELD=VALUE, which replaces a field of the sm90 backward tile of instance head dim D
+(tiles._BWD_SM90; e.g. tile.192.stages=3: its rendered source differs, so its cubin too); the
+loaded-kernel memo and the plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
 forward, medians.
 """
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -19,17 +22,29 @@ import torch
 from triton.testing import do_bench
 
 import flashgen
-from flashgen.generator import cache
-from flashgen.runtime import launch
+from flashgen.generator import cache, tiles
+from flashgen.runtime import dispatch, launch
+
+_DEFAULT_TILES = dict(tiles._BWD_SM90)
 
 
 def use_variant(variant: str) -> None:
-    if variant != "default":
-        os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(f"-D{d}" for d in variant.split("+"))
+    items = [] if variant == "default" else variant.split("+")
+    defines = [item for item in items if not item.startswith("tile.")]
+    tiles._BWD_SM90.clear()
+    tiles._BWD_SM90.update(_DEFAULT_TILES)
+    for item in items:
+        if item.startswith("tile."):
+            _, head_dim, assignment = item.split(".", 2)
+            field, value = assignment.split("=")
+            tiles._BWD_SM90[int(head_dim)] = dataclasses.replace(tiles._BWD_SM90[int(head_dim)], **{field: int(value)})
+    if defines:
+        os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(f"-D{d}" for d in defines)
     else:
         os.environ.pop("FLASHGEN_NVRTC_EXTRA_OPTIONS", None)
-    launch._loaded.clear()  # keyed by spec, which the defines are not part of
+    launch._loaded.clear()  # keyed by spec, which the defines and tile patches are not part of
     cache._cubins.clear()
+    dispatch.plan_bwd.cache_clear()
 
 
 def main() -> None:

@@ -563,13 +563,21 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ke
 @pytest.mark.parametrize("overrides", [
     dict(sm90=False),                    # inputs the TMA cannot read, or seqused (flash_bwd)
     dict(sm90=True, family="sm80"),      # the sm80 family forced
-    dict(sm90=True, head_dim=136, deterministic=True),  # split columns add dQ in no fixed order
-    dict(sm90=True, head_dim=256, deterministic=True),
     dict(sm90=True, device=(8, 0)),      # not Hopper
 ])
 def test_sm90_backward_leaves_the_rest_to_sm80(overrides):
     chosen = _plan_bwd(**overrides)
     assert chosen.spec.family == "sm80" and is_in_matrix(chosen.spec)
+
+
+@pytest.mark.parametrize("head_dim, instance", [(64, 64), (128, 128), (136, 192), (192, 192), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_backward_is_deterministic_at_every_head_dim(head_dim, instance, causal):
+    # Every instance's dQ goes through a tile and TMA reductions, which the semaphores order; MHA
+    # causal takes descending turns.
+    chosen = _plan_bwd(head_dim=head_dim, causal=causal, sm90=True, deterministic=True, nheads=4)
+    assert (chosen.spec.family, chosen.spec.head_dim) == ("sm90", instance) and is_in_matrix(chosen.spec)
+    assert chosen.dq_turns_descending == causal
 
 
 def test_sm90_backward_with_dropout():
@@ -597,7 +605,8 @@ def test_sm90_backward_tiles_and_widths():
         assert tile.block_m in (64, 128) and all(n % 64 == 0 for n in dkv + dq) and max(dkv) <= 128
         # Split columns: the two consumers' dK and dV columns are all of the head dim's.
         assert sum(dkv) == head_dim if tile.split_columns else dkv == (head_dim, head_dim)
-        assert tile.dq_by_tile == (not tile.split_columns)
+        # Split columns leave no room for a dQ tile of its own: it lies in the step's Q and dO panels.
+        assert tile.dq_in_stage == tile.split_columns
         assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
         # Every wgmma N the kernel issues has a rendered wrapper.
         assert tile.mma_widths(head_dim) <= set(tiles.sm90_mma_widths())

@@ -229,8 +229,8 @@ class Sm90BwdTile(_Sm90Warpgroups):
     two dSᵀ buffers; 128-byte swizzled panels of 64 head-dim columns. block_n 128: 64 keys per
     consumer, all head-dim columns; block_n 64 (split columns): both consumers on the 64 keys, each
     with half the step's queries in Sᵀ and dPᵀ and its share of the 64-column panels in dK, dV and
-    dQ (consumer 0 the first half, rounded up), two Pᵀ buffers beside the dSᵀ ones, dQ added from
-    registers (no fp32 tile)."""
+    dQ (consumer 0 the first half, rounded up), two Pᵀ buffers beside the dSᵀ ones, and the fp32 dQ
+    tile in the step's Q and dO panels once dK and dV have read them (no tile of its own)."""
     block_m: int     # queries per step: the K of dV and dK
     block_n: int = 128
     stages: int = 2  # Q/dO blocks in flight
@@ -251,10 +251,10 @@ class Sm90BwdTile(_Sm90Warpgroups):
         return self.block_n == 64
 
     @property
-    def dq_by_tile(self) -> bool:
-        """dQ through the shared fp32 tile and TMA reductions, which the deterministic order needs;
-        split columns add it from registers."""
-        return not self.split_columns
+    def dq_in_stage(self) -> bool:
+        """The fp32 dQ tile in the step's Q and dO panels (kDQInStage), which the dQ thread then
+        releases to the producer; otherwise a tile of its own."""
+        return self.split_columns
 
     @property
     def d_slices(self) -> int:
@@ -288,21 +288,22 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns,
-        two Pᵀ) buffers, the fp32 dQ tile unless split, per stage the LSE and D rows, 3 + 2 * stages
-        mbarriers."""
+        two Pᵀ) buffers, the fp32 dQ tile unless in the stage, per stage the LSE and D rows, 3 + 2 *
+        stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
         panels = head_dim // 64
         transposed_buffers = 4 if self.split_columns else 2
-        dq_tile = self.block_m * head_dim * 4 if self.dq_by_tile else 0
+        dq_tile = 0 if self.dq_in_stage else self.block_m * head_dim * 4
+        barriers = 3 + (3 if self.dq_in_stage else 2) * self.stages
         return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
                 + transposed_buffers * self.block_n * self.block_m * ELEMENT_BYTES + dq_tile
-                + 2 * self.stages * self.block_m * 4 + 8 * (3 + 2 * self.stages))
+                + 2 * self.stages * self.block_m * 4 + 8 * barriers)
 
 
 # (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
 # dV 32), at d128 64 (dK and dV take 64 each); at d192 and d256 the consumers split the columns of
-# 64 keys (dK and dV up to 64 registers each again). dQ goes through the shared tile and TMA
-# reductions where it fits (faster than atomics or a bulk copy per row; split columns' atomics cost
-# d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256); neither a third Q/dO stage
+# 64 keys (dK and dV up to 64 registers each again). dQ goes through a shared tile and TMA
+# reductions (faster than atomics or a bulk copy per row; split columns' atomics from registers
+# cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256); neither a third Q/dO stage
 # nor computing Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),

@@ -448,8 +448,8 @@ def plan_bwd(
     deterministic dQ order."""
     device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
-    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim, deterministic=deterministic):
-        sm90_head_dim = sm90_bwd_instance_head_dim(head_dim, deterministic)
+    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim):
+        sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
         tile = bwd_tile("sm90", arch, sm90_head_dim)
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
@@ -462,17 +462,15 @@ def plan_bwd(
     return BwdPlan(spec, tile, grid, window_left, window_right)
 
 
-def sm90_bwd_instance_head_dim(head_dim: int, deterministic: bool = False) -> int | None:
+def sm90_bwd_instance_head_dim(head_dim: int) -> int | None:
     """The sm90 backward instance that serves ``head_dim``: the smallest of
     matrix.SM90_BWD_HEAD_DIMS that holds it (bwd_sm90.cuh: the TMA zero-fills the columns past the
-    call's and drops the dQ tile's), None above the largest. ``deterministic``: only instances
-    whose dQ goes through the tile, which orders its additions (Sm90BwdTile.dq_by_tile)."""
-    return next((d for d in matrix.SM90_BWD_HEAD_DIMS
-                 if head_dim <= d and (not deterministic or bwd_tile("sm90", "sm_90a", d).dq_by_tile)), None)
+    call's and drops the dQ tile's), None above the largest."""
+    return next((d for d in matrix.SM90_BWD_HEAD_DIMS if head_dim <= d), None)
 
 
-def sm90_bwd_covers(*, head_dim: int, deterministic: bool = False) -> bool:
+def sm90_bwd_covers(*, head_dim: int) -> bool:
     """Whether the sm90 backward has an instance for a call the TMA can read: any head dim up to
-    the largest of matrix.SM90_BWD_HEAD_DIMS (deterministic: up to the largest whose dQ goes
-    through the tile), any mask, softcap or not, ALiBi, GQA, dropout."""
-    return sm90_bwd_instance_head_dim(head_dim, deterministic) is not None
+    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA, dropout, the
+    deterministic dQ order (every instance's dQ goes through a tile and TMA reductions)."""
+    return sm90_bwd_instance_head_dim(head_dim) is not None

@@ -22,8 +22,10 @@
 // Above d128 a consumer's dK and dV of 64 keys and every column would not fit its registers: there
 // the CTA owns 64 keys, which both consumers share (kSplitColumns), each computing Sᵀ and dPᵀ for
 // half of the step's queries and dK, dV and dQ for its share of the head-dim columns, with Pᵀ and dSᵀ
-// exchanged through shared memory (the A of dV and dK), and dQ added from registers: the fp32 tile
-// and its TMA reductions do not fit beside two Q/dO stages, so these instances are not deterministic.
+// exchanged through shared memory (the A of dV and dK). No fp32 dQ tile fits beside two Q/dO stages
+// there: a consumer stores its dQ share into the step's Q and dO panels that only its own dK and dV
+// read (free once those MMAs are done), and the dQ thread releases the stage to the producer once
+// its TMA reductions have read them.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
 // the dSᵀ tile is [key][query] in panels of 64 queries with the same swizzle, written by the
 // consumers. Rows past a tensor's end are zero-filled by the TMA, rows past a varlen sequence's
@@ -33,7 +35,7 @@
 // Head dims below an instance's run on it: the TMA zero-fills Q's, K's, V's and dO's columns past the
 // call's, which add nothing; dK and dV are stored for the call's columns, and the dQ buffer's
 // tensor map, as wide as the call, drops the tile's extra columns. Not here (the sm80 backward
-// serves those calls): seqused_q/k, the deterministic mode above d128.
+// serves those calls): seqused_q/k.
 //
 // Deterministic mode (params.semaphore_ptr set, a counter per (batch, query head, query block)):
 // the key blocks that see a query block add their dQ to it in a fixed order, each after the
@@ -142,11 +144,14 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
     // for 256 bytes), added to the dQ buffer by TMA reductions, one per box. Split columns leave no
-    // room for the tile: the consumers add their dQ from registers (red.global), in no fixed order.
-    static constexpr bool kDQByTile = !kSplitColumns;
+    // room for a tile of its own (kDQInStage): box b is the step's Q panel b / 2 (b even) or dO
+    // panel b / 2 (b odd), as large as a box at 64 queries; a consumer's boxes are then exactly the
+    // panels its dK and dV read, so it overwrites them once its own MMAs are done.
+    static constexpr bool kDQInStage = kSplitColumns;
     static constexpr int kDQBoxBytes = kBlockM * 128;
-    static constexpr int kDQBytes = kDQByTile ? kHeadDim / 32 * kDQBoxBytes : 0;
-    static constexpr int kBarriers = 3 + 2 * kStages;  // K/V; dQ full and empty; full and empty per stage
+    static constexpr int kDQBytes = kDQInStage ? 0 : kHeadDim / 32 * kDQBoxBytes;
+    // K/V; dQ full and empty (a tile of its own); per stage full, empty and (dQ in the stage) dQ full.
+    static constexpr int kBarriers = 3 + (kDQInStage ? 3 : 2) * kStages;
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
                                       kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
@@ -155,6 +160,8 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
                   "head dims of whole 64-column panels, a consumer's dK and dV in registers");
     static_assert((kBlockM == 64 || kBlockM == 128) && kDQWidth % 64 == 0, "dQ shares of whole panels");
     static_assert(!kSplitColumns || kBlockM == 64, "split columns: one dSᵀ panel, each consumer's queries in half of it");
+    static_assert(!kDQInStage || (kDQBoxBytes == kPanelQBytes && kDQWidth % 64 == 0),
+                  "dQ in the stage: a box per Q or dO panel, a consumer's share whole panels");
 };
 
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
@@ -319,6 +326,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     uint32_t const bar_kv = bars, dq_full = bars + 8, dq_empty = bars + 16;
     auto full = [&](int stage) { return bars + 8 * (3 + stage); };
     auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
+    auto dq_full_at = [&](int stage) { return bars + 8 * (3 + 2 * kStages + stage); };  // dQ in the stage
+    // The step's dQ tile: a tile of its own, or (kDQInStage) box b in Q (b even) or dO (b odd) panel b / 2.
+    auto dq_box = [&](int stage, int box) {
+        return Tr::kDQInStage ? sQ(stage) + (box % 2) * (sdO0 - sQ0) + (box / 2) * Tr::kPanelQBytes
+                              : sdQ + box * Tr::kDQBoxBytes;
+    };
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
@@ -361,12 +374,16 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     if (tid == 0) {
         bwd_timeline_stamp(kCtaStart, steps);
         mbar_init(bar_kv, 1);
-        mbar_init(dq_full, Tr::kConsumerThreads);
-        mbar_init(dq_empty, 1);  // the dQ thread, once its reductions have read the tile
+        if constexpr (!Tr::kDQInStage) {
+            mbar_init(dq_full, Tr::kConsumerThreads);
+            mbar_init(dq_empty, 1);  // the dQ thread, once its reductions have read the tile
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1 + 32);  // the TMA thread's arrival with its bytes, warp 1's 32 lanes
-            mbar_init(empty(s), Tr::kConsumerThreads);
+            // The consumers, or (dQ in the stage) the dQ thread once its reductions have read it.
+            mbar_init(empty(s), Tr::kDQInStage ? 1 : Tr::kConsumerThreads);
+            if constexpr (Tr::kDQInStage) mbar_init(dq_full_at(s), Tr::kConsumerThreads);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -423,10 +440,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
                 mbar_arrive(full(stage));
             }
-        } else if (Tr::kDQByTile && warp == 2) {
+        } else if (warp == 2) {
             // dQ: once both consumers have stored a step's tile, lane 0 adds it to the fp32 dQ
-            // buffer by TMA reductions (rows past the tensor are dropped) and releases the tile
-            // when the reductions have read it. (Off the consumers' path, and whole lines for the
+            // buffer by TMA reductions (rows past the tensor are dropped) and releases the tile (or
+            // the stage it lies in) when the reductions have read it. (Off the consumers' path, and whole lines for the
             // L2 instead of 8-byte atomics.) Under varlen, a sequence's last tile also covers the
             // next sequence's first rows: the warp zeroes them first, whatever this sequence's K
             // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
@@ -457,25 +474,30 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     if (lane == 0) semaphore_wait_eq(semaphore, turn);
                     __syncwarp();
                 }
-                mbar_wait(dq_full, t & 1);
+                int const stage = t % kStages;
+                if constexpr (Tr::kDQInStage) mbar_wait(dq_full_at(stage), (t / kStages) & 1);
+                else mbar_wait(dq_full, t & 1);
                 if (varlen_q && q0 + kBlockM > seqlen_q) {
                     // Whole 128-byte rows of each 32-column box (the swizzle only permutes chunks within a row).
                     int const first_past = max(seqlen_q - q0, 0);
                     for (int chunk = first_past * 8 + lane; chunk < kBlockM * 8; chunk += 32) {
 #pragma unroll
-                        for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(sdQ + box * Tr::kDQBoxBytes + chunk * 16);
+                        for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(dq_box(stage, box) + chunk * 16);
                     }
                     fence_proxy_async();  // visible to the TMA (async proxy)
                     __syncwarp();
                 }
                 if (lane == 0) {
+#if !(defined(FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD) && FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD)
+                    // (A measurement variant, tune_bwd_sm90.py, leaves the reductions out: wrong dQ.)
 #pragma unroll
                     for (int box = 0; box < kHeadDim / 32; ++box) {
-                        tma_reduce_add_4d(&args.tma_dq, sdQ + box * Tr::kDQBoxBytes, box * 32, q_offset + q0, bidh, q_batch);
+                        tma_reduce_add_4d(&args.tma_dq, dq_box(stage, box), box * 32, q_offset + q0, bidh, q_batch);
                     }
+#endif
                     bulk_commit();
                     bulk_wait_read();
-                    mbar_arrive(dq_empty);
+                    mbar_arrive(Tr::kDQInStage ? empty(stage) : dq_empty);
                     if (semaphore != nullptr) {
                         bulk_wait_all();  // the additions are done, not just read from the tile
                         semaphore_release_add(semaphore, 1);
@@ -669,54 +691,36 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 wgmma_ss_steps<Element, Tr::kDQWidth, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt, false);
         };
         // This consumer's share of dQ into the tile, once the dQ thread's reductions have read
-        // the previous step's. Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4
-        // XOR row % 8 (= lane / 4 here).
+        // the previous step's (dQ in the stage: the stage is this step's until the dQ thread
+        // releases it). Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4 XOR row % 8
+        // (= lane / 4 here).
         auto store_dq = [&]() {
-            if (t > 0) mbar_wait(dq_empty, (t - 1) & 1);
+            if (!Tr::kDQInStage && t > 0) mbar_wait(dq_empty, (t - 1) & 1);
             int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
             // One per-lane base: its bits 4-6 are the lane's swizzled chunk (every other term is a
             // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
-            // one register instead of one per tile (fewer spills in the loop).
-            uint32_t const dq_lane = sdQ + (dq_col0 / 32) * Tr::kDQBoxBytes + dq_row * 128 +
+            // one register instead of one per tile (fewer spills in the loop). dq_col0 / 32 is even,
+            // so tile i's box is the first's + i / 4.
+            uint32_t const dq_lane = dq_box(stage, dq_col0 / 32) + dq_row * 128 +
                                      ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
+            auto box_offset = [](int i) {  // of tile i's box from the first's (a constant)
+                return Tr::kDQInStage ? ((i / 4) % 2) * (kStages * Tr::kQBytes) + (i / 8) * Tr::kPanelQBytes
+                                      : (i / 4) * Tr::kDQBoxBytes;
+            };
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
-                for (int i = 0; i < Tr::kDQWidth / 8; ++i)
-                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + (i / 4) * Tr::kDQBoxBytes + half * 8 * 128,
-                                    acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
-            fence_proxy_async();  // visible to the TMA (async proxy)
-            mbar_arrive(dq_full);
-        };
-        // Split columns: this consumer's share added to the fp32 dQ buffer from registers (8-byte
-        // reductions), without the rows past the sequence's end and the columns past the call's.
-        auto add_dq = [&]() {
-#if defined(FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD) && FLASHGEN_BWD_SM90_MEASURE_NO_DQ_ADD
-            // A measurement variant (tune_bwd_sm90.py; wrong dQ): no reductions, behind a condition
-            // the compiler cannot decide, so that dQ's MMAs stay.
-            if (params.head_dim > 0) return;
-#endif
-            int const row = (warp % 4) * 16 + lane / 4;  // of the step's queries (dq_q0 is 0)
-            float* const dq_first = reinterpret_cast<float*>(params.dq_accum_ptr) +
-                                    (int64_t(bidb) * params.stats_batch_stride + int64_t(bidh) * params.stats_head_stride +
-                                     q_offset + q0 + row) * params.head_dim + dq_col0 + 2 * (lane % 4);
-            int const rows_left = seqlen_q - q0 - row;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                if (half * 8 >= rows_left) break;
-#pragma unroll
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
                     if (Tr::kUnevenSplit && consumer == 1 && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
-                    if (dq_col0 + 8 * i < params.head_dim)  // head dims are multiples of 8
-                        red_add_f32x2(dq_first + half * 8 * params.head_dim + 8 * i, acc_dq[i * 4 + 2 * half],
-                                      acc_dq[i * 4 + 2 * half + 1]);
+                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + box_offset(i) + half * 8 * 128,
+                                    acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
                 }
-            }
+            fence_proxy_async();  // visible to the TMA (async proxy)
+            mbar_arrive(Tr::kDQInStage ? dq_full_at(stage) : dq_full);
         };
-
         if constexpr (Tr::kSplitColumns) {
-            // Both consumers' halves of Pᵀ and dSᵀ into their buffers, then dQ first, so that its
-            // reductions overlap dV and dK.
+            // Both consumers' halves of Pᵀ and dSᵀ into their buffers, then dQ, dV and dK; dQ into
+            // the stage once this consumer's dV and dK have read its panels there.
             pack_fragments<Element>(s, p_frag);
             store_transposed(sP0 + (t & 1) * Tr::kPBytes, p_frag);
             pack_fragments<Element>(dp, ds_frag);
@@ -730,12 +734,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             issue_dv();
             issue_dk();
             wgmma_commit();
-            wgmma_wait<1>();  // dQ done
+            wgmma_wait<0>();
             fence_registers(acc_dq);
-            add_dq();
-            wgmma_wait<0>();  // dV and dK done: the stage's Q, dO, LSE and D are free
             fence_registers(acc_dv);
             fence_registers(acc_dk);
+            store_dq();  // the dQ thread releases the stage
         } else {
             // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
             // before dK, so that dQ's tile store overlaps dK.
@@ -761,8 +764,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             fence_registers(acc_dk);
             keep_fragments(p_frag);
             keep_fragments(ds_frag);
+            mbar_arrive(empty(stage));
         }
-        mbar_arrive(empty(stage));
         if (stamps && t == 0) bwd_timeline_stamp(kFirstStepDone);
     }
     if (stamps) bwd_timeline_stamp(kLoopDone);
