@@ -303,12 +303,14 @@ class Sm90BwdTile(_Sm90Warpgroups):
 # dV 32), at d128 64 (dK and dV take 64 each); at d192 and d256 the consumers split the columns of
 # 64 keys (dK and dV up to 64 registers each again). dQ goes through a shared tile and TMA
 # reductions (faster than atomics or a bulk copy per row; split columns' atomics from registers
-# cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256); neither a third Q/dO stage
-# nor computing Pᵀ during dPᵀ paid (measurements: benchmarks/results/tuning_history_h200.md).
+# cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256). A third Q/dO stage pays
+# only where the stage also holds dQ and fits (d192: 1.06x, benchmarks/results/
+# 20261203-nvidia-h200-sm90-bwd-dq-in-stage); at d64/d128 neither it nor computing Pᵀ during dPᵀ
+# paid (benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
-    192: Sm90BwdTile(64, block_n=64),
+    192: Sm90BwdTile(64, block_n=64, stages=3),
     256: Sm90BwdTile(64, block_n=64),
 }
 
