@@ -7,8 +7,9 @@ in one process, rounds in turn.
 A variant is "default" or items joined by "+": NAME=VALUE defines, which go to
 FLASHGEN_NVRTC_EXTRA_OPTIONS as -DNAME=VALUE (part of the cache key, so each gets its own cubins),
 or tile.D.FIELD=VALUE, which replaces a field of the sm90 backward tile of instance head dim D
-(tiles._BWD_SM90; e.g. tile.192.stages=3: its rendered source differs, so its cubin too); the
-loaded-kernel memo and the plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
+(tiles._BWD_SM90; e.g. tile.192.stages=3: its rendered source differs, so its cubin too), or
+opt:OPTION, an NVRTC option as is (e.g. opt:--Ofast-compile=max); the loaded-kernel memo and the
+plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
 forward, medians.
 """
@@ -30,7 +31,8 @@ _DEFAULT_TILES = dict(tiles._BWD_SM90)
 
 def use_variant(variant: str) -> None:
     items = [] if variant == "default" else variant.split("+")
-    defines = [item for item in items if not item.startswith("tile.")]
+    options = [item[len("opt:"):] if item.startswith("opt:") else f"-D{item}"
+               for item in items if not item.startswith("tile.")]
     tiles._BWD_SM90.clear()
     tiles._BWD_SM90.update(_DEFAULT_TILES)
     for item in items:
@@ -38,8 +40,8 @@ def use_variant(variant: str) -> None:
             _, head_dim, assignment = item.split(".", 2)
             field, value = assignment.split("=")
             tiles._BWD_SM90[int(head_dim)] = dataclasses.replace(tiles._BWD_SM90[int(head_dim)], **{field: int(value)})
-    if defines:
-        os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(f"-D{d}" for d in defines)
+    if options:
+        os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(options)
     else:
         os.environ.pop("FLASHGEN_NVRTC_EXTRA_OPTIONS", None)
     launch._loaded.clear()  # keyed by spec, which the defines and tile patches are not part of
