@@ -443,11 +443,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         } else if (warp == 2) {
             // dQ: once both consumers have stored a step's tile, lane 0 adds it to the fp32 dQ
             // buffer by TMA reductions (rows past the tensor are dropped) and releases the tile (or
-            // the stage it lies in) when the reductions have read it. (Off the consumers' path, and whole lines for the
-            // L2 instead of 8-byte atomics.) Under varlen, a sequence's last tile also covers the
-            // next sequence's first rows: the warp zeroes them first, whatever this sequence's K
-            // and V held (0 times inf is NaN). Here rather than in the consumers, whose loop
-            // spills when it keeps the sequence's end live.
+            // the stage it lies in) when the reductions have read it. (Off the consumers' path, and
+            // whole lines for the L2 instead of 8-byte atomics.) Under varlen, a sequence's last
+            // tile also covers the next sequence's first rows: the warp zeroes them first, whatever
+            // this sequence's K and V held (0 times inf is NaN). Here rather than in the consumers,
+            // whose loop spills when it keeps the sequence's end live.
             int const m_blocks_stride = (params.max_seqlen_q + kBlockM - 1) / kBlockM;  // of the semaphores
             BwdStep step_at = first_step();
             for (int t = 0; t < steps; ++t) {
