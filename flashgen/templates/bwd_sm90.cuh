@@ -150,6 +150,11 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kDQInStage = kSplitColumns;
     static constexpr int kDQBoxBytes = kBlockM * 128;
     static constexpr int kDQBytes = kDQInStage ? 0 : kHeadDim / 32 * kDQBoxBytes;
+    // Of box b from the tile's first byte (the stage's Q, or the tile of its own); additive over
+    // b = 2 k + j, so a consumer's n8 tile i is its first box's + dq_box_offset(i / 4).
+    __device__ static constexpr int dq_box_offset(int box) {
+        return kDQInStage ? (box % 2) * (kStages * kQBytes) + (box / 2) * kPanelQBytes : box * kDQBoxBytes;
+    }
     // K/V; dQ full and empty (a tile of its own); per stage full, empty and (dQ in the stage) dQ full.
     static constexpr int kBarriers = 3 + (kDQInStage ? 3 : 2) * kStages;
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
@@ -328,10 +333,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
     auto dq_full_at = [&](int stage) { return bars + 8 * (3 + 2 * kStages + stage); };  // dQ in the stage
     // The step's dQ tile: a tile of its own, or (kDQInStage) box b in Q (b even) or dO (b odd) panel b / 2.
-    auto dq_box = [&](int stage, int box) {
-        return Tr::kDQInStage ? sQ(stage) + (box % 2) * (sdO0 - sQ0) + (box / 2) * Tr::kPanelQBytes
-                              : sdQ + box * Tr::kDQBoxBytes;
-    };
+    auto dq_box = [&](int stage, int box) { return (Tr::kDQInStage ? sQ(stage) : sdQ) + Tr::dq_box_offset(box); };
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
@@ -700,19 +702,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // One per-lane base: its bits 4-6 are the lane's swizzled chunk (every other term is a
             // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
             // one register instead of one per tile (fewer spills in the loop). dq_col0 / 32 is even,
-            // so tile i's box is the first's + i / 4.
+            // so tile i's box is the first's + dq_box_offset(i / 4), a constant.
             uint32_t const dq_lane = dq_box(stage, dq_col0 / 32) + dq_row * 128 +
                                      ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
-            auto box_offset = [](int i) {  // of tile i's box from the first's (a constant)
-                return Tr::kDQInStage ? ((i / 4) % 2) * (kStages * Tr::kQBytes) + (i / 8) * Tr::kPanelQBytes
-                                      : (i / 4) * Tr::kDQBoxBytes;
-            };
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
                     if (Tr::kUnevenSplit && consumer == 1 && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
-                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + box_offset(i) + half * 8 * 128,
+                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + Tr::dq_box_offset(i / 4) + half * 8 * 128,
                                     acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
                 }
             fence_proxy_async();  // visible to the TMA (async proxy)
