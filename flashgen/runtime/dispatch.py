@@ -442,14 +442,14 @@ def plan_bwd(
     deterministic: bool = False,
 ) -> BwdPlan:
     """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
-    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused);
-    on sm_90a such a call takes it when it has an instance (sm90_bwd_covers), unless ``family``
-    forces sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
+    caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused); on sm_90a such
+    a call takes it when it has an instance (sm90_bwd_instance_head_dim), unless ``family`` forces
+    sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
     deterministic dQ order."""
     device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
-    if allow_sm90 and sm90_bwd_covers(head_dim=head_dim):
-        sm90_head_dim = sm90_bwd_instance_head_dim(head_dim)
+    sm90_head_dim = sm90_bwd_instance_head_dim(head_dim) if allow_sm90 else None
+    if sm90_head_dim is not None:
         tile = bwd_tile("sm90", arch, sm90_head_dim)
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
@@ -463,14 +463,9 @@ def plan_bwd(
 
 
 def sm90_bwd_instance_head_dim(head_dim: int) -> int | None:
-    """The sm90 backward instance that serves ``head_dim``: the smallest of
-    matrix.SM90_BWD_HEAD_DIMS that holds it (bwd_sm90.cuh: the TMA zero-fills the columns past the
-    call's and drops the dQ tile's), None above the largest."""
+    """The sm90 backward instance that serves a call the TMA can read at ``head_dim``: the
+    smallest of matrix.SM90_BWD_HEAD_DIMS that holds it (bwd_sm90.cuh: the TMA zero-fills the
+    columns past the call's and drops the dQ tile's), None above the largest. Every instance takes
+    any mask, softcap or not, ALiBi, GQA, dropout and the deterministic dQ order (its dQ goes
+    through a tile and TMA reductions)."""
     return next((d for d in matrix.SM90_BWD_HEAD_DIMS if head_dim <= d), None)
-
-
-def sm90_bwd_covers(*, head_dim: int) -> bool:
-    """Whether the sm90 backward has an instance for a call the TMA can read: any head dim up to
-    the largest of matrix.SM90_BWD_HEAD_DIMS, any mask, softcap or not, ALiBi, GQA, dropout, the
-    deterministic dQ order (every instance's dQ goes through a tile and TMA reductions)."""
-    return sm90_bwd_instance_head_dim(head_dim) is not None
