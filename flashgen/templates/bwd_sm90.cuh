@@ -703,15 +703,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
             // one register instead of one per tile (fewer spills in the loop). dq_col0 / 32 is even,
             // so tile i's box is the first's + dq_box_offset(i / 4), a constant.
-            uint32_t const dq_lane = dq_box(stage, dq_col0 / 32) + dq_row * 128 +
-                                     ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
+            uint32_t dq_lane = dq_box(stage, dq_col0 / 32) + dq_row * 128 +
+                               ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
+            // A 64-bit store goes out a half-warp (4 rows) at a time, and rows r and r ^ 1 of the
+            // swizzle put a tile's chunks in the same banks: two wavefronts where one would do. Odd
+            // rows store tile i ^ 2 (same box) when even rows store tile i, whose chunks are the even
+            // rows' XOR 4: one wavefront per half-warp, for a select per register.
+            bool const odd_row = (lane / 4) % 2;  // dq_q0 and the warp's 16 rows are even
+            dq_lane ^= odd_row ? 2 * 32 : 0;
+            auto dq_value = [&](int i, int r) { return odd_row ? acc_dq[(i ^ 2) * 4 + r] : acc_dq[i * 4 + r]; };
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
                     if (Tr::kUnevenSplit && consumer == 1 && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
                     st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + Tr::dq_box_offset(i / 4) + half * 8 * 128,
-                                    acc_dq[i * 4 + 2 * half], acc_dq[i * 4 + 2 * half + 1]);
+                                    dq_value(i, 2 * half), dq_value(i, 2 * half + 1));
                 }
             fence_proxy_async();  // visible to the TMA (async proxy)
             mbar_arrive(Tr::kDQInStage ? dq_full_at(stage) : dq_full);
