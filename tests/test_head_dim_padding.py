@@ -71,10 +71,18 @@ def kernels(monkeypatch):
         out, lse = attend(q, k, v, softmax_scale, causal, (window_left, window_right), batched=False)
         return out, lse, torch.zeros(2, dtype=torch.int64)
 
+    class EagerAttention:  # eager calls with gradients: the reference carries them
+        apply = staticmethod(lambda *args: fwd_op(*args)[:2])
+
+    class EagerVarlenAttention:
+        apply = staticmethod(lambda *args: varlen_fwd_op(*args)[:2])
+
     monkeypatch.setattr(interface, "_fwd", fwd)
     monkeypatch.setattr(interface, "_fwd_op", fwd_op)
+    monkeypatch.setattr(interface, "_EagerAttention", EagerAttention)
     monkeypatch.setattr(interface, "_varlen_fwd", varlen_fwd)
     monkeypatch.setattr(interface, "_varlen_fwd_op", varlen_fwd_op)
+    monkeypatch.setattr(interface, "_EagerVarlenAttention", EagerVarlenAttention)
     return seen
 
 

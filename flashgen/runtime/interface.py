@@ -76,6 +76,13 @@ def _bwd_op(
     causal: bool, window_left: int, window_right: int, softcap: float,
     alibi_slopes: typing.Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor, deterministic: bool,
 ) -> None:
+    _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right, softcap,
+         alibi_slopes, dropout_p, rng_state, deterministic)
+
+
+def _bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right, softcap,
+         alibi_slopes, dropout_p, rng_state, deterministic) -> None:
+    """The backward op's body: dq, dk, dv written in place."""
     backward.flash_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
               window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
               deterministic=deterministic, dropout=dropout_from_rng_state(dropout_p, rng_state))
@@ -87,26 +94,58 @@ def _bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window
     return None
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _save_fwd(ctx, inputs, out, lse, rng_state) -> None:
+    """What the backward needs of a forward (inputs: the forward op's)."""
     q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, _, _, dropout_p, deterministic = inputs
-    out, lse, rng_state = output
     # Slopes go through save_for_backward too, so an in-place change before backward is caught.
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *([alibi_slopes] if alibi_slopes is not None else []))
     ctx.options = (softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    out, lse, rng_state = output
+    _save_fwd(ctx, inputs, out, lse, rng_state)
     ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _fwd_grads(ctx, dout, bwd):
+    """dq, dk, dv of a forward saved by _save_fwd, by ``bwd``: the backward op, or its body."""
+    q, k, v, out, lse, rng_state, *alibi = ctx.saved_tensors
+    softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
+        softcap, alibi[0] if alibi else None, dropout_p, rng_state, deterministic)
+    return dq, dk, dv
 
 
 def _fwd_backward(ctx, dout, dlse, drng):
     del dlse, drng  # lse and rng_state are not differentiable
-    q, k, v, out, lse, rng_state, *alibi = ctx.saved_tensors
-    softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _bwd_op(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
-            softcap, alibi[0] if alibi else None, dropout_p, rng_state, deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return (*_fwd_grads(ctx, dout, _bwd_op), *(None,) * 10)
 
 
 _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """An eager call that needs gradients: the forward and backward ops' bodies under a plain
+    autograd.Function, without the custom-op dispatch, which costs about as much host time per call
+    as the bodies themselves (benchmarks/results/20261203-nvidia-h200-sm90-bwd-host-and-dq-banks).
+    torch.compile traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # the forward op's inputs
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, pack_gqa, num_splits, dropout_p, _ = inputs
+        out, lse, dropout = _fwd(q, k, v, softmax_scale, causal, (window_left, window_right), softcap,
+                                 alibi_slopes, pack_gqa, num_splits, dropout_p)
+        _save_fwd(ctx, inputs, out, lse, dropout.rng_state())
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        del dlse  # lse is not differentiable
+        # (Compiled autograd traces this backward: the op then.)
+        return (*_fwd_grads(ctx, dout, _bwd_op if torch.compiler.is_compiling() else _bwd), *(None,) * 10)
 
 
 def flash_attn_func(
@@ -132,10 +171,12 @@ def flash_attn_func(
     args = (q, k, v, float(softmax_scale), bool(causal), *window_size, float(softcap), alibi_slopes, pack_gqa,
             int(num_splits))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if needs_grad or torch.compiler.is_compiling():
+    # Eager calls skip the custom-op dispatch (tens of microseconds per call).
+    if torch.compiler.is_compiling():
         out, lse, _ = _fwd_op(*args, float(dropout_p), bool(deterministic))
+    elif needs_grad:
+        out, lse = _EagerAttention.apply(*args, float(dropout_p), bool(deterministic))
     else:
-        # Eager inference skips the custom-op dispatch (tens of microseconds per call).
         out, lse, _ = _fwd(*args[:5], window_size, *args[7:], float(dropout_p))
     if head_dim % HEAD_DIM_MULTIPLE:
         out = out[..., :head_dim]
@@ -288,30 +329,60 @@ def _varlen_bwd_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqle
     return None
 
 
-def _varlen_setup_context(ctx, inputs, output):
+def _save_varlen_fwd(ctx, inputs, out, lse, rng_state) -> None:
+    """What the backward needs of a varlen forward (inputs: the varlen forward op's)."""
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
      seqused_q, seqused_k, _, _, dropout_p, deterministic) = inputs
-    out, lse, rng_state = output
     optional = [t for t in (alibi_slopes, seqused_q, seqused_k) if t is not None]
     ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, *optional)
     ctx.present = (alibi_slopes is not None, seqused_q is not None, seqused_k is not None)
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    out, lse, rng_state = output
+    _save_varlen_fwd(ctx, inputs, out, lse, rng_state)
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _varlen_backward(ctx, dout, dlse, drng):
-    del dlse, drng  # lse and rng_state are not differentiable
+def _varlen_grads(ctx, dout, bwd):
+    """dq, dk, dv of a varlen forward saved by _save_varlen_fwd, by ``bwd`` (as _fwd_grads)."""
     q, k, v, out, lse, rng_state, cu_q, cu_k, *optional = ctx.saved_tensors
     alibi_slopes, seqused_q, seqused_k = (optional.pop(0) if present else None for present in ctx.present)
     max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _varlen_bwd_op(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
-                   window_left, window_right, softcap, alibi_slopes, seqused_q, seqused_k, dropout_p, rng_state,
-                   deterministic)
-    return (dq, dk, dv) + (None,) * 16
+    bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, seqused_q, seqused_k, dropout_p, rng_state, deterministic)
+    return dq, dk, dv
+
+
+def _varlen_backward(ctx, dout, dlse, drng):
+    del dlse, drng  # lse and rng_state are not differentiable
+    return (*_varlen_grads(ctx, dout, _varlen_bwd_op), *(None,) * 16)
 
 
 _varlen_fwd_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """_EagerAttention's varlen counterpart."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # the varlen forward op's inputs
+        (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+         seqused_q, seqused_k, pack_gqa, num_splits, dropout_p, _) = inputs
+        out, lse, dropout = _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal,
+                                        (window_left, window_right), softcap, alibi_slopes, None, seqused_q,
+                                        seqused_k, pack_gqa, num_splits, dropout_p)
+        _save_varlen_fwd(ctx, inputs, out, lse, dropout.rng_state())
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        del dlse  # lse is not differentiable
+        bwd = _varlen_bwd_op if torch.compiler.is_compiling() else _varlen_bwd
+        return (*_varlen_grads(ctx, dout, bwd), *(None,) * 16)
 
 
 class _PagedVarlenFwd(torch.autograd.Function):
@@ -377,8 +448,10 @@ def flash_attn_varlen_func(
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale),
                 bool(causal), *window_size, float(softcap), alibi_slopes, seqused_q, seqused_k, pack_gqa,
                 int(num_splits))
-        if needs_grad or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             out, lse, _ = _varlen_fwd_op(*args, float(dropout_p), bool(deterministic))
+        elif needs_grad:
+            out, lse = _EagerVarlenAttention.apply(*args, float(dropout_p), bool(deterministic))
         else:
             out, lse, _ = _varlen_fwd(*args[:9], window_size, args[11], args[12], None, *args[13:], float(dropout_p))
     if head_dim % HEAD_DIM_MULTIPLE:
