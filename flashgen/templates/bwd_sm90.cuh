@@ -148,6 +148,13 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // panel b / 2 (b odd), as large as a box at 64 queries; a consumer's boxes are then exactly the
     // panels its dK and dV read, so it overwrites them once its own MMAs are done.
     static constexpr bool kDQInStage = kSplitColumns;
+    // The consumers' dQ stores in row pairs (store_dq), but for d192's uneven split, where they
+    // measured 0.95-0.98x (benchmarks/results/20261203-nvidia-h200-sm90-bwd-host-and-dq-banks).
+#if defined(FLASHGEN_BWD_SM90_DQ_ROW_PAIRS_ALL) && FLASHGEN_BWD_SM90_DQ_ROW_PAIRS_ALL
+    static constexpr bool kDQRowPairs = true;
+#else
+    static constexpr bool kDQRowPairs = !kUnevenSplit;
+#endif
     static constexpr int kDQBoxBytes = kBlockM * 128;
     static constexpr int kDQBytes = kDQInStage ? 0 : kHeadDim / 32 * kDQBoxBytes;
     // Of box b from the tile's first byte (the stage's Q, or the tile of its own); additive over
@@ -709,7 +716,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             // swizzle put a tile's chunks in the same banks: two wavefronts where one would do. Odd
             // rows store tile i ^ 2 (same box) when even rows store tile i, whose chunks are the even
             // rows' XOR 4: one wavefront per half-warp, for a select per register.
-            bool const odd_row = (lane / 4) % 2;  // dq_q0 and the warp's 16 rows are even
+            bool const odd_row = Tr::kDQRowPairs && (lane / 4) % 2;  // dq_q0 and the warp's 16 rows are even
             dq_lane ^= odd_row ? 2 * 32 : 0;
             auto dq_value = [&](int i, int r) { return odd_row ? acc_dq[(i ^ 2) * 4 + r] : acc_dq[i * 4 + r]; };
 #pragma unroll
