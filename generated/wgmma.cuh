@@ -44,6 +44,46 @@ __device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[16], const uint32_
 }
 
 template <typename Element, int kTransB, int kTransA>
+__device__ __forceinline__ void wgmma_ss_m64n48k16(float (&d)[24], uint64_t desc_a, uint64_t desc_b,
+                                                     int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %28, %27;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, %28, %27;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA));
+    }
+}
+
+template <typename Element, int kTransB>
+__device__ __forceinline__ void wgmma_rs_m64n48k16(float (&d)[24], const uint32_t (&a)[4], uint64_t desc_b,
+                                                     int accumulate) {
+    if constexpr (Element::kIsBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, %30;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+    }
+}
+
+template <typename Element, int kTransB, int kTransA>
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                      int accumulate) {
     if constexpr (Element::kIsBf16) {
@@ -369,8 +409,9 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint3
 
 template <typename Element, int N, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    static_assert(N == 32 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
+    static_assert(N == 32 || N == 48 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
     if constexpr (N == 32) wgmma_ss_m64n32k16<Element, kTransB, kTransA>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 48) wgmma_ss_m64n48k16<Element, kTransB, kTransA>(d, desc_a, desc_b, accumulate);
     else if constexpr (N == 64) wgmma_ss_m64n64k16<Element, kTransB, kTransA>(d, desc_a, desc_b, accumulate);
     else if constexpr (N == 96) wgmma_ss_m64n96k16<Element, kTransB, kTransA>(d, desc_a, desc_b, accumulate);
     else if constexpr (N == 128) wgmma_ss_m64n128k16<Element, kTransB, kTransA>(d, desc_a, desc_b, accumulate);
@@ -380,8 +421,9 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 
 template <typename Element, int N, int kTransB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    static_assert(N == 32 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
+    static_assert(N == 32 || N == 48 || N == 64 || N == 96 || N == 128 || N == 192 || N == 256, "no wgmma wrapper rendered for this N (flashgen/generator/wgmma.py)");
     if constexpr (N == 32) wgmma_rs_m64n32k16<Element, kTransB>(d, a, desc_b, accumulate);
+    else if constexpr (N == 48) wgmma_rs_m64n48k16<Element, kTransB>(d, a, desc_b, accumulate);
     else if constexpr (N == 64) wgmma_rs_m64n64k16<Element, kTransB>(d, a, desc_b, accumulate);
     else if constexpr (N == 96) wgmma_rs_m64n96k16<Element, kTransB>(d, a, desc_b, accumulate);
     else if constexpr (N == 128) wgmma_rs_m64n128k16<Element, kTransB>(d, a, desc_b, accumulate);

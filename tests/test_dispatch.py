@@ -542,7 +542,7 @@ def _plan_bwd(**overrides):
     return plan_bwd(**{**kwargs, **overrides})
 
 
-@pytest.mark.parametrize("head_dim, key_blocks", [(64, 8), (128, 8), (192, 16), (256, 16)])
+@pytest.mark.parametrize("head_dim, key_blocks", [(64, 8), (128, 8), (192, 11), (256, 16)])
 @pytest.mark.parametrize("causal, window_size, mask", [(False, (-1, -1), "none"), (True, (-1, -1), "causal"),
                                                        (False, (16, 4), "local")])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
@@ -554,7 +554,8 @@ def test_sm90_backward_is_chosen_on_hopper_where_it_has_an_instance(head_dim, ke
     assert (chosen.spec.family, chosen.spec.arch, chosen.spec.mask, chosen.spec.softcap) == (
         "sm90", "sm_90a", mask, softcap > 0)
     assert is_in_matrix(chosen.spec) and chosen.tile == tiles.bwd_tile("sm90", "sm_90a", head_dim)
-    # One CTA per 128 keys (d192, d256: 64, the split columns), per KV head and batch; 384 threads;
+    # One CTA per 128 keys (d192: 96, the query rows; d256: 64, the split columns), per KV head and
+    # batch; 384 threads;
     # within the target's shared memory.
     assert chosen.grid == (key_blocks, 4, 2) and chosen.tile.num_threads == 384
     assert chosen.smem_bytes == chosen.tile.smem_bytes(head_dim) <= tiles.smem_limit("sm_90a")
@@ -598,15 +599,23 @@ def test_sm90_backward_tiles_and_widths():
 
     for head_dim in matrix.SM90_BWD_HEAD_DIMS:
         tile = tiles.bwd_tile("sm90", "sm_90a", head_dim)
-        # Sm90BwdTraits' asserts: two consumers of 64 keys each, or sharing 64 keys with the columns
-        # split above d128 (a consumer's dK and dV in registers); each dQ share whole 64-column panels.
-        assert tile.split_columns == (head_dim > 128) and tile.block_n == (64 if tile.split_columns else 128)
+        # Sm90BwdTraits' asserts: two consumers of 64 keys each, sharing 64 keys with the columns
+        # split (d256; a consumer's dK and dV in registers), or 48 keys each in the queries' domain
+        # (d192); each dQ share whole 64-column panels, but for the query rows' panel and a half.
+        assert tile.split_columns == (head_dim == 256) and tile.query_rows == (head_dim == 192)
+        assert tile.block_n == {192: 96, 256: 64}.get(head_dim, 128)
         dkv, dq = tile.dkv_mma_widths(head_dim), tile.dq_mma_widths(head_dim)
-        assert tile.block_m in (64, 128) and all(n % 64 == 0 for n in dkv + dq) and max(dkv) <= 128
+        assert tile.block_m in (64, 128) and max(dkv) <= 128
+        if tile.query_rows:
+            # dKᵀ and dVᵀ: N is each consumer's 48 keys; dQ a 64- and a 32-column MMA each.
+            assert dkv == (48, 48) and dq == (64, 32) and tile.s_mma_width == 48
+        else:
+            assert all(n % 64 == 0 for n in dkv + dq)
         # Split columns: the two consumers' dK and dV columns are all of the head dim's.
-        assert sum(dkv) == head_dim if tile.split_columns else dkv == (head_dim, head_dim)
-        # Split columns leave no room for a dQ tile of its own: it lies in the step's Q and dO panels.
-        assert tile.dq_in_stage == tile.split_columns
+        assert sum(dkv) == head_dim if tile.split_columns else tile.query_rows or dkv == (head_dim, head_dim)
+        # Split columns and query rows leave no room for a dQ tile of its own: it lies in the step's
+        # Q and dO panels.
+        assert tile.dq_in_stage == (tile.split_columns or tile.query_rows)
         assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
         # Every wgmma N the kernel issues has a rendered wrapper.
         assert tile.mma_widths(head_dim) <= set(tiles.sm90_mma_widths())

@@ -230,7 +230,9 @@ class Sm90BwdTile(_Sm90Warpgroups):
     consumer, all head-dim columns; block_n 64 (split columns): both consumers on the 64 keys, each
     with half the step's queries in Sᵀ and dPᵀ and its share of the 64-column panels in dK, dV and
     dQ (consumer 0 the first half, rounded up), two Pᵀ buffers beside the dSᵀ ones, and the fp32 dQ
-    tile in the step's Q and dO panels once dK and dV have read them (no tile of its own)."""
+    tile in the step's Q and dO panels once dK and dV have read them (no tile of its own); block_n
+    96 (query rows): 48 keys per consumer in the queries' domain (S, dP with the step's 64 queries
+    as M; dKᵀ, dVᵀ with the head dim as M), Pᵀ buffers and dQ in the stage as in split columns."""
     block_m: int     # queries per step: the K of dV and dK
     block_n: int = 128
     stages: int = 2  # Q/dO blocks in flight
@@ -239,11 +241,11 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
     def __post_init__(self) -> None:
         self._check_registers()
-        if self.block_n not in (64, 128) or self.block_m not in (64, 128):
-            raise ValueError(f"{self}: the consumers own 64 keys each (block_n 128) or share 64 (block_n 64); "
-                             "dQ = dS·K splits 64 or 128 queries over them")
-        if self.split_columns and self.block_m != 64:
-            raise ValueError(f"{self}: split columns take 64-query steps (one dSᵀ panel, 32 queries a consumer)")
+        if self.block_n not in (64, 96, 128) or self.block_m not in (64, 128):
+            raise ValueError(f"{self}: the consumers own 64 keys each (block_n 128), share 64 (block_n 64) or "
+                             "own 48 in the queries' domain (block_n 96); dQ = dS·K splits 64 or 128 queries over them")
+        if (self.split_columns or self.query_rows) and self.block_m != 64:
+            raise ValueError(f"{self}: split columns and query rows take 64-query steps (one dSᵀ panel)")
 
     @property
     def split_columns(self) -> bool:
@@ -251,10 +253,15 @@ class Sm90BwdTile(_Sm90Warpgroups):
         return self.block_n == 64
 
     @property
+    def query_rows(self) -> bool:
+        """48 keys per consumer with the step's queries as the MMAs' M (kQueryRows)."""
+        return self.block_n == 96
+
+    @property
     def dq_in_stage(self) -> bool:
         """The fp32 dQ tile in the step's Q and dO panels (kDQInStage), which the dQ thread then
         releases to the producer; otherwise a tile of its own."""
-        return self.split_columns
+        return self.split_columns or self.query_rows
 
     @property
     def d_slices(self) -> int:
@@ -263,22 +270,32 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
     @property
     def s_mma_width(self) -> int:
-        """N of each consumer's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the step's queries, or half (split columns)."""
+        """N of each consumer's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the step's queries, or half (split columns);
+        query rows: of S = Q·Kᵀ and dP = dO·Vᵀ, its keys."""
+        if self.query_rows:
+            return self.block_n // 2
         return self.block_m // 2 if self.split_columns else self.block_m
 
     def dkv_mma_widths(self, head_dim: int) -> tuple[int, int]:
         """N of consumer 0's and consumer 1's dV and dK wgmma: all columns, or (split columns) the
-        first half of the 64-column panels, rounded up, and the rest."""
+        first half of the 64-column panels, rounded up, and the rest; query rows: of dKᵀ and dVᵀ,
+        its keys."""
+        if self.query_rows:
+            return self.block_n // 2, self.block_n // 2
         if not self.split_columns:
             return head_dim, head_dim
         first = -(-head_dim // 128) * 64
         return first, head_dim - first
 
-    def dq_mma_widths(self, head_dim: int) -> tuple[int, int]:
-        """N of each consumer's dQ wgmma: 64 queries each and all columns (block_m 128), all 64
-        queries and half the columns (block_m 64), or (split columns) its dK and dV columns."""
+    def dq_mma_widths(self, head_dim: int) -> tuple[int, ...]:
+        """N of the consumers' dQ wgmma: 64 queries each and all columns (block_m 128), all 64
+        queries and half the columns (block_m 64), (split columns) the first half of the 64-column
+        panels, rounded up, and the rest; query rows: a panel and half of one each (N 64 and 32)."""
+        if self.query_rows:
+            return 64, 32
         if self.split_columns:
-            return self.dkv_mma_widths(head_dim)
+            first = -(-head_dim // 128) * 64
+            return first, head_dim - first
         width = head_dim if self.block_m == 128 else head_dim // 2
         return width, width
 
@@ -287,11 +304,11 @@ class Sm90BwdTile(_Sm90Warpgroups):
         return {self.s_mma_width, *self.dkv_mma_widths(head_dim), *self.dq_mma_widths(head_dim)}
 
     def smem_bytes(self, head_dim: int) -> int:
-        """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns,
-        two Pᵀ) buffers, the fp32 dQ tile unless in the stage, per stage the LSE and D rows, 3 + 2 *
-        stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
+        """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns and
+        query rows, two Pᵀ) buffers, the fp32 dQ tile unless in the stage, per stage the LSE and D
+        rows, 3 + 2 * stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
         panels = head_dim // 64
-        transposed_buffers = 4 if self.split_columns else 2
+        transposed_buffers = 4 if self.split_columns or self.query_rows else 2
         dq_tile = 0 if self.dq_in_stage else self.block_m * head_dim * 4
         barriers = 3 + (3 if self.dq_in_stage else 2) * self.stages
         return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
@@ -300,17 +317,19 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
 
 # (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
-# dV 32), at d128 64 (dK and dV take 64 each); at d192 and d256 the consumers split the columns of
-# 64 keys (dK and dV up to 64 registers each again). dQ goes through a shared tile and TMA
-# reductions (faster than atomics or a bulk copy per row; split columns' atomics from registers
-# cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256). A third Q/dO stage pays
-# only where the stage also holds dQ and fits (d192: 1.06x, benchmarks/results/
-# 20261203-nvidia-h200-sm90-bwd-dq-in-stage); at d64/d128 neither it nor computing Pᵀ during dPᵀ
-# paid (benchmarks/results/tuning_history_h200.md).
+# dV 32), at d128 64 (dK and dV take 64 each); at d256 the consumers split the columns of 64 keys
+# (dK and dV up to 64 registers each again); at d192 96 keys in the queries' domain, 48 a consumer
+# (1.19x the split columns' 64 keys with three stages: each Q/dO load and dQ reduction serves 1.5x
+# the keys; benchmarks/results/20261203-nvidia-h200-sm90-bwd-d192-query-rows). dQ goes through a
+# shared tile and TMA reductions (faster than atomics or a bulk copy per row; split columns'
+# atomics from registers cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256).
+# A third Q/dO stage paid only where the stage also holds dQ and fits (the split columns' d192:
+# 1.06x, benchmarks/results/20261203-nvidia-h200-sm90-bwd-dq-in-stage); at d64/d128 neither it nor
+# computing Pᵀ during dPᵀ paid (benchmarks/results/tuning_history_h200.md).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
-    192: Sm90BwdTile(64, block_n=64, stages=3),
+    192: Sm90BwdTile(64, block_n=96),
     256: Sm90BwdTile(64, block_n=64),
 }
 

@@ -25,7 +25,13 @@
 // exchanged through shared memory (the A of dV and dK). No fp32 dQ tile fits beside two Q/dO stages
 // there: a consumer stores its dQ share into the step's Q and dO panels that only its own dK and dV
 // read (free once those MMAs are done), and the dQ thread releases the stage to the producer once
-// its TMA reductions have read them.
+// its TMA reductions have read them (d256).
+// d192 leaves the transposed domain instead (kQueryRows): the CTA owns 96 keys, 48 a consumer,
+// which computes S = Q·Kᵀ and dP = dO·Vᵀ with the step's 64 queries as M, stores P and dS
+// transposed (stmatrix.trans) into the [key][query] tiles, and accumulates dVᵀ = dOᵀ·P and
+// dKᵀ = Qᵀ·dS with the head dim as M (dO and Q MN-major, P and dS K-major as the B); dQ = dS·K is
+// each consumer's 96 columns (a panel and half of one), stored into the stage once both
+// consumers' dKᵀ and dVᵀ have read it; dKᵀ and dVᵀ leave through K's and V's tiles transposed.
 // Tiles are 128-byte swizzled panels of 64 head-dim columns (TMA's SWIZZLE_128B, as in the forward);
 // the dSᵀ tile is [key][query] in panels of 64 queries with the same swizzle, written by the
 // consumers. Rows past a tensor's end are zero-filled by the TMA, rows past a varlen sequence's
@@ -68,6 +74,12 @@
 extern "C" {
 __device__ unsigned long long flashgen_bwd_timeline[FLASHGEN_BWD_TIMELINE_CTAS * 8];
 }
+#endif
+
+// Query rows: dVᵀ issued once the consumer's own P is stored (1), or with dKᵀ once both consumers'
+// P and dS are (0); a define for the A/B (benchmarks/tune_bwd_sm90.py).
+#ifndef FLASHGEN_BWD_SM90_ROWS_EARLY_DV
+#define FLASHGEN_BWD_SM90_ROWS_EARLY_DV 0
 #endif
 
 namespace flashgen {
@@ -118,36 +130,52 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // registers): all 64 keys each, Sᵀ and dPᵀ for half the step's queries, dK, dV and dQ for its
     // share of the 64-column panels (consumer 0 the first half, rounded up: d192 128 and 64); Pᵀ
     // joins dSᵀ in shared memory, the A of dV = Pᵀ·dO and dK = dSᵀ·Q.
+    // kBlockN 96 (kQueryRows; d192): 48 keys each, in the queries' domain (the step's 64 queries as
+    // the MMAs' M): S = Q·Kᵀ and dP = dO·Vᵀ of its keys, P and dS to shared memory (transposed, as
+    // the split columns' Pᵀ and dSᵀ), dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS with the head dim as M (dO and Q
+    // MN-major), dQ of its share of the panels as in split columns. Every Q and dO column feeds both
+    // consumers' dKᵀ and dVᵀ, and 96 keys are 1.5x the split columns' per Q/dO load and dQ
+    // reduction (FlashAttention-4's d192 block).
     static constexpr bool kSplitColumns = kBlockN == 64;
+    static constexpr bool kQueryRows = kBlockN == 96;
     static constexpr int kPanels = kHeadDim / 64;
+    static constexpr int kConsumerKeys = kQueryRows ? kBlockN / 2 : kSplitColumns ? kBlockN : 64;
     static constexpr int kSQueries = kSplitColumns ? kBlockM / 2 : kBlockM;  // N of a consumer's Sᵀ and dPᵀ
-    // N of its dK and dV: consumer 0's (the arrays' size), consumer 1's.
-    static constexpr int kDKVWidth = kSplitColumns ? (kPanels + 1) / 2 * 64 : kHeadDim;
-    static constexpr int kDKVWidth1 = kSplitColumns ? kHeadDim - kDKVWidth : kHeadDim;
-    static constexpr bool kUnevenSplit = kDKVWidth1 != kDKVWidth;
+    // Accumulator registers a thread holds of a consumer's S and dP (Sᵀ and dPᵀ).
+    static constexpr int kSRegs = kQueryRows ? kBlockM * kConsumerKeys / 128 : kSQueries / 2;
+    // N of its dK and dV: consumer 0's (the arrays' size), consumer 1's. Query rows: N is the keys,
+    // the head dim the M of kPanels MMAs.
+    static constexpr int kDKVWidth = kSplitColumns ? (kPanels + 1) / 2 * 64 : kQueryRows ? kConsumerKeys : kHeadDim;
+    static constexpr int kDKVWidth1 = kSplitColumns ? kHeadDim - kDKVWidth : kDKVWidth;
+    static constexpr int kDKVRegs = kQueryRows ? kPanels * kDKVWidth / 2 : kDKVWidth / 2;
     static constexpr int kPanelKBytes = kBlockN * 128;
     static constexpr int kKBytes = kPanels * kPanelKBytes;  // K or V
     static constexpr int kPanelQBytes = kBlockM * 128;
     static constexpr int kQBytes = kPanels * kPanelQBytes;  // Q or dO, one stage
-    // dSᵀ (and Pᵀ, split columns): [key][query], panels of 64 queries by kBlockN keys (K-major, the
-    // A of dK and dV; MN-major, the A of dQ = dS·K).
+    // dSᵀ (and Pᵀ, split columns and query rows): [key][query], panels of 64 queries by kBlockN keys
+    // (K-major, the A of dK and dV or the B of dKᵀ and dVᵀ; MN-major, the A of dQ = dS·K).
     static constexpr int kPanelDSBytes = kBlockN * 128;
     static constexpr int kDSBytes = kBlockM / 64 * kPanelDSBytes;
-    static constexpr int kPBytes = kSplitColumns ? kDSBytes : 0;
+    static constexpr int kPBytes = kSplitColumns || kQueryRows ? kDSBytes : 0;
     // Each consumer's share of a step's dQ: 64 queries by all columns (kBlockM 128), or all 64
-    // queries by half the columns (kBlockM 64; split columns: its dK and dV columns). Its N,
-    // kDQWidth (consumer 1: kDQWidth1), is whole 64-column panels of K.
+    // queries by half the columns (kBlockM 64; split columns: the first half of the 64-column
+    // panels, rounded up, and the rest). Its N, kDQWidth (consumer 1: kDQWidth1), is whole
+    // 64-column panels of K, but with query rows: there each consumer's 96 columns are a panel
+    // (N 64) and half of the middle one (N 32; consumer 0 panels 0 and 1's first half, consumer 1
+    // panel 2 and 1's second half), so that both hold 48 registers.
     static constexpr bool kDQSplitColumns = kBlockM == 64;
-    static constexpr int kDQWidth = kSplitColumns ? kDKVWidth : kDQSplitColumns ? kHeadDim / 2 : kHeadDim;
-    static constexpr int kDQWidth1 = kSplitColumns ? kDKVWidth1 : kDQWidth;
+    static constexpr int kDQWidth = kSplitColumns ? (kPanels + 1) / 2 * 64 : kDQSplitColumns ? kHeadDim / 2 : kHeadDim;
+    static constexpr int kDQWidth1 = kSplitColumns ? kHeadDim - kDQWidth : kDQWidth;
+    static constexpr bool kUnevenSplit = kDQWidth1 != kDQWidth;
     static constexpr int kStatsBytes = 2 * kBlockM * 4;  // LSE and D rows, one stage
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
     // for 256 bytes), added to the dQ buffer by TMA reductions, one per box. Split columns leave no
-    // room for a tile of its own (kDQInStage): box b is the step's Q panel b / 2 (b even) or dO
-    // panel b / 2 (b odd), as large as a box at 64 queries; a consumer's boxes are then exactly the
-    // panels its dK and dV read, so it overwrites them once its own MMAs are done.
-    static constexpr bool kDQInStage = kSplitColumns;
+    // room for a tile of its own, nor do query rows (kDQInStage): box b is the step's Q panel b / 2
+    // (b even) or dO panel b / 2 (b odd), as large as a box at 64 queries; a consumer's boxes are
+    // then exactly the panels its dK and dV read, so it overwrites them once its own MMAs (query
+    // rows: both consumers') are done.
+    static constexpr bool kDQInStage = kSplitColumns || kQueryRows;
     // The consumers' dQ stores in row pairs (store_dq), but for d192's uneven split, where they
     // measured 0.95-0.98x (benchmarks/results/20261203-nvidia-h200-sm90-bwd-host-and-dq-banks).
 #if defined(FLASHGEN_BWD_SM90_DQ_ROW_PAIRS_ALL) && FLASHGEN_BWD_SM90_DQ_ROW_PAIRS_ALL
@@ -167,13 +195,18 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
                                       kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
-    static_assert(kBlockN == 128 || kBlockN == 64, "two consumers of 64 keys each, or sharing 64");
-    static_assert(kHeadDim % 64 == 0 && kDKVWidth % 64 == 0 && kDKVWidth1 % 64 == 0 && kDKVWidth <= 128,
+    static_assert(kBlockN == 128 || kBlockN == 64 || kBlockN == 96, "two consumers of 64 keys each, sharing 64, or 48 each");
+    static_assert(kHeadDim % 64 == 0 && (kQueryRows || (kDKVWidth % 64 == 0 && kDKVWidth1 % 64 == 0)) &&
+                      kDKVRegs <= 72,
                   "head dims of whole 64-column panels, a consumer's dK and dV in registers");
-    static_assert((kBlockM == 64 || kBlockM == 128) && kDQWidth % 64 == 0, "dQ shares of whole panels");
+    static_assert(!kQueryRows || (kBlockM == 64 && kConsumerKeys % 16 == 0 && kPanels == 3),
+                  "query rows: one 64-query M, a consumer's keys whole stmatrix pairs of n8 tiles");
+    static_assert((kBlockM == 64 || kBlockM == 128) && (kDQWidth % 64 == 0 || (kQueryRows && kPanels == 3)),
+                  "dQ shares of whole panels (query rows: a panel and a half, at d192)");
     static_assert(!kSplitColumns || kBlockM == 64, "split columns: one dSᵀ panel, each consumer's queries in half of it");
-    static_assert(!kDQInStage || (kDQBoxBytes == kPanelQBytes && kDQWidth % 64 == 0),
-                  "dQ in the stage: a box per Q or dO panel, a consumer's share whole panels");
+    static_assert(!kDQInStage || (kDQBoxBytes == kPanelQBytes && (kDQWidth % 64 == 0 || kQueryRows)),
+                  "dQ in the stage: a box per Q or dO panel, a consumer's share whole panels (query rows: "
+                  "read by both consumers' dKᵀ and dVᵀ first)");
 };
 
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
@@ -193,6 +226,11 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TmaDescriptor* map, uint
         "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
         ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
 }
 __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
     float2 v;
@@ -250,7 +288,7 @@ struct Sm90BwdStep {
 // raw-score units over the softmax scale (the scale is applied to dK here and dQ in the
 // postprocess kernel). Masked elements are 0 in both.
 template <typename Tr, bool kNeedMask, bool kAlibi>
-__device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSQueries / 2], float (&dp)[Tr::kSQueries / 2],
+__device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSRegs], float (&dp)[Tr::kSRegs],
                                                       const Sm90BwdStep& a, const BwdParams& params,
                                                       const Dropout& dropout) {
     int const lane = threadIdx.x % 32;
@@ -302,6 +340,60 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSQueries /
             dp[i * 4 + e] = ds;
         }
     }
+}
+
+// The same in the queries' domain (query rows): one consumer's 64 queries x kConsumerKeys keys,
+// element 4 i + e of S and dP query `query + 8 (e / 2)`, key `key + 8 i + e % 2` (the accumulator
+// layout of S = Q·Kᵀ, as in the forward). a.lse and a.dsum are this thread's first query's.
+template <typename Tr, bool kNeedMask, bool kAlibi>
+__device__ __forceinline__ void softmax_backward_rows_sm90(float (&s)[Tr::kSRegs], float (&dp)[Tr::kSRegs],
+                                                           const Sm90BwdStep& a, const BwdParams& params,
+                                                           const Dropout& dropout) {
+    constexpr int kTiles = Tr::kConsumerKeys / 8;
+    float const lse[2] = {ld_shared_f32(a.lse), ld_shared_f32(a.lse + 8 * 4)};
+    float const dsum[2] = {ld_shared_f32(a.dsum), ld_shared_f32(a.dsum + 8 * 4)};
+    // Dropout: the forward's bytes of the thread's two queries over its keys' 16-key chunks.
+    bool kept[Tr::kSRegs];
+#pragma unroll
+    for (int r = 0; r < Tr::kSRegs; ++r) kept[r] = true;
+    if constexpr (Tr::kDropout) {
+        int const lane = threadIdx.x % 32;
+#pragma unroll
+        for (int row = 0; row < 2; ++row)
+            dropout.template drop_row<Tr::kConsumerKeys / 16, false>(
+                a.bh, a.query + 8 * row, (a.key - 2 * (lane % 4)) / 16, lane % 4,
+                [&](int c, int n, int e) { kept[(2 * c + n) * 4 + 2 * row + e] = false; });
+    }
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int const r = i * 4 + e, query = a.query + 8 * (e / 2), key = a.key + 8 * i + e % 2;
+            float score = s[r];
+            float dtanh = 1.f;
+            if constexpr (Tr::kSoftcap) {
+                float const t = tanh_accurate(score * params.softcap_scale);
+                score = params.softcap * t;
+                dtanh = 1.f - t * t;
+            }
+            if constexpr (kAlibi) score = alibi_score(score, a.slope, float(query + a.diag - key));
+            float p = exp2_approx(score * params.scale_log2 - lse[e / 2]);
+            float ds;
+            if constexpr (Tr::kDropout) {
+                ds = p * ((kept[r] ? dp[r] * params.rp_dropout : 0.f) - dsum[e / 2]) * dtanh;
+                p = kept[r] ? p * params.rp_dropout : 0.f;
+            } else {
+                ds = p * (dp[r] - dsum[e / 2]) * dtanh;
+            }
+            if constexpr (kNeedMask) {
+                bool const hidden =
+                    key_hidden<Tr::kMask>(key, query + a.diag, a.seqlen_k, params.window_left, params.window_right);
+                p = hidden ? 0.f : p;
+                ds = hidden ? 0.f : ds;
+            }
+            s[r] = p;
+            dp[r] = ds;
+        }
 }
 
 // Accumulator (64 rows x 16 k of S-like layout) -> the m64k16 A fragments of the next wgmma: the
@@ -533,28 +625,38 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     // live in uniform registers.
     int const consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     // This consumer's keys of the block and queries of the step (Sᵀ, dPᵀ), and its dK and dV columns.
-    int const keys0 = Tr::kSplitColumns ? 0 : consumer * 64;
+    int const keys0 = Tr::kSplitColumns ? 0 : consumer * Tr::kConsumerKeys;
     int const queries0 = Tr::kSplitColumns ? consumer * Tr::kSQueries : 0;
     int const dkv_col0 = Tr::kSplitColumns ? consumer * Tr::kDKVWidth : 0;
-    int const key_in_block = keys0 + (warp % 4) * 16 + lane / 4;
-    constexpr int kSRegs = Tr::kSQueries / 2, kDKRegs = Tr::kDKVWidth / 2, kDQRegs = Tr::kDQWidth / 2;
-    // Descriptors of this consumer's K and V rows (K-major: the A of Sᵀ and dPᵀ) and of K MN-major
-    // from dQ's first column (the B of dQ = dS·K), moved per MMA by constants.
+    int const key_in_block = keys0 + (warp % 4) * 16 + lane / 4;  // transposed: its first key
+    constexpr int kSRegs = Tr::kSRegs, kDKRegs = Tr::kDKVRegs;
+    // Descriptors of this consumer's K and V rows (K-major: the A of Sᵀ and dPᵀ, or with query rows
+    // the B of S and dP) and of K MN-major from dQ's first column (the B of dQ = dS·K), moved per
+    // MMA by constants.
     uint64_t const desc_k = smem_desc_sw128(sK + keys0 * 128, 16, 1024);
     uint64_t const desc_v = smem_desc_sw128(sV + keys0 * 128, 16, 1024);
     // This consumer's share of dQ: queries dq_q0 .. + 63, columns dq_col0 .. + kDQWidth - 1.
     int const dq_q0 = Tr::kDQSplitColumns ? 0 : consumer * 64;
     int const dq_col0 = Tr::kDQSplitColumns ? consumer * Tr::kDQWidth : 0;
     uint64_t const desc_kt = smem_desc_sw128(sK + (dq_col0 / 64) * Tr::kPanelKBytes, Tr::kPanelKBytes, 1024);
+    // Query rows: its dQ panel (N 64) and half panel (N 32, 64 bytes into panel 1's rows for
+    // consumer 1), and where their 32-column boxes of the dQ tile lie: registers' box k (n8 tiles
+    // 4 k ..) is box k (consumer 0) or 4, 5, 3.
+    uint64_t const desc_kt_panel = smem_desc_sw128(sK + consumer * 2 * Tr::kPanelKBytes, Tr::kPanelKBytes, 1024);
+    uint64_t const desc_kt_half = smem_desc_sw128(sK + Tr::kPanelKBytes + consumer * 64, Tr::kPanelKBytes, 1024);
+    int const dq_first_box = Tr::kQueryRows ? consumer * 4 : dq_col0 / 32;
     // Stage 0's Q and dO (K-major from this consumer's queries; MN-major from its dK and dV
     // columns) and dSᵀ buffer 0 from its dQ queries (MN-major: the A of dQ); each step moves them to
-    // its stage and buffer. Split columns: Pᵀ and dSᵀ K-major (the A of dV and dK).
+    // its stage and buffer. Split columns: Pᵀ and dSᵀ K-major (the A of dV and dK); query rows: from
+    // this consumer's key rows (the B of dVᵀ and dKᵀ).
     uint64_t const desc_q0 = smem_desc_sw128(sQ(0) + queries0 * 128, 16, 1024);
     uint64_t const desc_do0 = smem_desc_sw128(sdO(0) + queries0 * 128, 16, 1024);
     uint64_t const desc_q0_mn = smem_desc_sw128(sQ(0) + (dkv_col0 / 64) * Tr::kPanelQBytes, Tr::kPanelQBytes, 1024);
     uint64_t const desc_do0_mn = smem_desc_sw128(sdO(0) + (dkv_col0 / 64) * Tr::kPanelQBytes, Tr::kPanelQBytes, 1024);
     uint64_t const desc_ds0 = smem_desc_sw128(sdS0 + (dq_q0 / 64) * Tr::kPanelDSBytes, Tr::kPanelDSBytes, 1024);
-    uint64_t const desc_p0_k = smem_desc_sw128(sP0, 16, 1024), desc_ds0_k = smem_desc_sw128(sdS0, 16, 1024);
+    uint32_t const transposed_rows = Tr::kQueryRows ? keys0 * 128 : 0;
+    uint64_t const desc_p0_k = smem_desc_sw128(sP0 + transposed_rows, 16, 1024);
+    uint64_t const desc_ds0_k = smem_desc_sw128(sdS0 + transposed_rows, 16, 1024);
     const float* slopes = reinterpret_cast<const float*>(params.alibi_slopes_ptr);
     Dropout const dropout = Dropout::from(params);
 
@@ -609,22 +711,20 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         uint64_t const desc_do = smem_desc_moved(desc_do0, stage * Tr::kQBytes);
         uint64_t const desc_q_mn = smem_desc_moved(desc_q0_mn, stage * Tr::kQBytes);
         uint64_t const desc_do_mn = smem_desc_moved(desc_do0_mn, stage * Tr::kQBytes);
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (query rows: S = Q·Kᵀ and dP = dO·Vᵀ), the head dim their K.
+        auto issue_scores = [&](float (&acc)[kSRegs], uint64_t desc_keys, uint64_t desc_queries) {
+#pragma unroll
+            for (int k = 0; k < kHeadDim / 16; ++k) {
+                // 16 columns = 32 bytes within the 128-byte panel rows.
+                uint64_t const keys = smem_desc_moved(desc_keys, (k / 4) * Tr::kPanelKBytes + (k % 4) * 32);
+                uint64_t const queries = smem_desc_moved(desc_queries, (k / 4) * Tr::kPanelQBytes + (k % 4) * 32);
+                if constexpr (Tr::kQueryRows) wgmma_ss<Element, Tr::kConsumerKeys, 0>(acc, queries, keys, k > 0);
+                else wgmma_ss<Element, Tr::kSQueries, 0>(acc, keys, queries, k > 0);
+            }
+        };
         wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kHeadDim / 16; ++k) {
-            // 16 columns = 32 bytes within the 128-byte panel rows.
-            uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
-            uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
-            wgmma_ss<Element, Tr::kSQueries, 0>(s, smem_desc_moved(desc_k, k_offset_bytes),
-                                          smem_desc_moved(desc_q, q_offset_bytes), k > 0);
-        }
-#pragma unroll
-        for (int k = 0; k < kHeadDim / 16; ++k) {
-            uint32_t const k_offset_bytes = (k / 4) * Tr::kPanelKBytes + (k % 4) * 32;
-            uint32_t const q_offset_bytes = (k / 4) * Tr::kPanelQBytes + (k % 4) * 32;
-            wgmma_ss<Element, Tr::kSQueries, 0>(dp, smem_desc_moved(desc_v, k_offset_bytes),
-                                          smem_desc_moved(desc_do, q_offset_bytes), k > 0);
-        }
+        issue_scores(s, desc_k, desc_q);
+        issue_scores(dp, desc_v, desc_do);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s);
@@ -632,32 +732,61 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
 
         // Pᵀ and dSᵀ, instantiated per (mask needed, ALiBi): a block without either issues none of
         // their instructions. The mask: keys past seqlen_k, or a window edge crossing this
-        // consumer's 64 keys x the step's queries.
+        // consumer's keys x the step's queries.
         int const wg_key0 = key0 + keys0;
-        bool const need_mask = wg_key0 + 64 > seqlen_k ||
-                               (kMasked && (q0 + diag + params.window_right < wg_key0 + 63 ||
+        bool const need_mask = wg_key0 + Tr::kConsumerKeys > seqlen_k ||
+                               (kMasked && (q0 + diag + params.window_right < wg_key0 + Tr::kConsumerKeys - 1 ||
                                             (Tr::kMask == Mask::Local && q0 + kBlockM - 1 + diag - params.window_left > wg_key0)));
-        Sm90BwdStep const step{sLSE(stage) + queries0 * 4, sD(stage) + queries0 * 4, key0 + key_in_block,
-                               q0 + queries0 + 2 * (lane % 4), diag, seqlen_k,
-                               slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f,
-                               uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh), (key0 + keys0) / 64};
-        if (need_mask) {
-            if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
-            else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
+        // Evaluated in each branch's step (as one value ahead of the branches they took the d128
+        // softcap instances' step from 14 to 19 spill instructions).
+        auto slope = [&]() {
+            return slopes != nullptr ? slopes[bidb * params.alibi_batch_stride + bidh] * params.alibi_scale : 0.f;
+        };
+        auto bh = [&]() { return uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh); };
+        if constexpr (Tr::kQueryRows) {
+            int const row = (warp % 4) * 16 + lane / 4;  // this thread's first query of the step
+            Sm90BwdStep const step{sLSE(stage) + row * 4, sD(stage) + row * 4, wg_key0 + 2 * (lane % 4), q0 + row,
+                                   diag, seqlen_k, slope(), bh(), 0};
+            if (need_mask) {
+                if (slopes != nullptr) softmax_backward_rows_sm90<Tr, true, true>(s, dp, step, params, dropout);
+                else softmax_backward_rows_sm90<Tr, true, false>(s, dp, step, params, dropout);
+            } else {
+                if (slopes != nullptr) softmax_backward_rows_sm90<Tr, false, true>(s, dp, step, params, dropout);
+                else softmax_backward_rows_sm90<Tr, false, false>(s, dp, step, params, dropout);
+            }
         } else {
-            if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
-            else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
+            Sm90BwdStep const step{sLSE(stage) + queries0 * 4, sD(stage) + queries0 * 4, key0 + key_in_block,
+                                   q0 + queries0 + 2 * (lane % 4), diag, seqlen_k, slope(), bh(), (key0 + keys0) / 64};
+            if (need_mask) {
+                if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
+                else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);
+            } else {
+                if (slopes != nullptr) softmax_backward_sm90<Tr, false, true>(s, dp, step, params, dropout);
+                else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
+            }
         }
-        uint32_t p_frag[Tr::kSQueries / 16][4], ds_frag[Tr::kSQueries / 16][4];
+        uint32_t p_frag[kSRegs / 8][4], ds_frag[kSRegs / 8][4];
         // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, this
         // consumer's dK and dV columns its N (MN-major, panels kPanelQBytes apart). Pᵀ and dSᵀ from
         // registers, or (split columns) the whole step's from shared memory, 16 queries = 32 bytes
         // of a row a MMA.
         uint64_t const desc_p_k = smem_desc_moved(desc_p0_k, (t & 1) * Tr::kPBytes);
         uint64_t const desc_ds_k = smem_desc_moved(desc_ds0_k, (t & 1) * Tr::kDSBytes);
-        auto issue_dkv = [&](float (&acc)[kDKRegs], const uint32_t (&frag)[Tr::kSQueries / 16][4], uint64_t desc_a,
+        auto issue_dkv = [&](float (&acc)[kDKRegs], const uint32_t (&frag)[kSRegs / 8][4], uint64_t desc_a,
                              uint64_t desc_b) {
-            if constexpr (Tr::kSplitColumns) {
+            if constexpr (Tr::kQueryRows) {
+                // dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: M the head dim (panel j of dO or Q MN-major, desc_b),
+                // K the step's queries (16 rows of the panel, 32 bytes of P's or dS's rows, desc_a
+                // from this consumer's keys), N its keys.
+#pragma unroll
+                for (int j = 0; j < Tr::kPanels; ++j)
+#pragma unroll
+                    for (int kk = 0; kk < kBlockM / 16; ++kk)
+                        wgmma_ss<Element, Tr::kDKVWidth, 0, 1>(
+                            *reinterpret_cast<float (*)[Tr::kDKVWidth / 2]>(&acc[j * Tr::kDKVWidth / 2]),
+                            smem_desc_moved(desc_b, j * Tr::kPanelQBytes + kk * 16 * 128),
+                            smem_desc_moved(desc_a, kk * 32), 1);
+            } else if constexpr (Tr::kSplitColumns) {
                 auto a_offset = [](int kk) { return (kk / 4) * Tr::kPanelDSBytes + (kk % 4) * 32; };
                 if (Tr::kUnevenSplit && consumer == 1)
                     wgmma_ss_steps<Element, Tr::kDKVWidth1, 1, 0, kBlockM / 16>(acc, desc_a, a_offset, desc_b, true);
@@ -674,7 +803,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // dSᵀ (or Pᵀ) to buffer t % 2: element (key, query) at panel query / 64, row key, 16-byte
         // chunk (query % 64) / 8 XOR key % 8 (the 128-byte swizzle).
         uint32_t const ds_buffer = sdS0 + (t & 1) * Tr::kDSBytes;
-        auto store_transposed = [&](uint32_t buffer, const uint32_t (&frag)[Tr::kSQueries / 16][4]) {
+        auto store_transposed = [&](uint32_t buffer, const uint32_t (&frag)[kSRegs / 8][4]) {
             // frag[kk] is the four 8x8 matrices of n8 tiles 2 kk and 2 kk + 1, keys + 0 and + 8:
             // one stmatrix, lane l the row of key row + 8 ((l / 8) % 2) + l % 8, chunk
             // queries0 / 8 + 2 kk + l / 16 (split columns: queries0 / 8 is 0 or 4, and 2 kk + 1 < 4,
@@ -688,13 +817,32 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                             frag[kk][0], frag[kk][1], frag[kk][2], frag[kk][3]);
             fence_proxy_async();  // visible to the wgmma (async proxy)
         };
+        // Query rows: P (or dS) transposed to its keys' rows of buffer t % 2. frag[kk] is n8 tiles
+        // 2 kk and 2 kk + 1 of the thread's queries + 0 and + 8: one stmatrix.trans, lane l the
+        // row of key keys0 + 16 kk + 8 ((l / 8) / 2) + l % 8 (column l % 8 of its matrix), its
+        // 8 queries' chunk 2 (warp % 4) + (l / 8) % 2 XOR the key's row % 8.
+        auto store_rows_transposed = [&](uint32_t buffer, const uint32_t (&frag)[kSRegs / 8][4]) {
+            uint32_t const lane_row =
+                buffer + (keys0 + (lane / 16) * 8 + lane % 8) * 128 + (((2 * (warp % 4) + (lane / 8) % 2) ^ (lane % 8)) * 16);
+#pragma unroll
+            for (int kk = 0; kk < kSRegs / 8; ++kk)
+                stmatrix_x4_trans(lane_row + kk * 16 * 128, frag[kk][0], frag[kk][1], frag[kk][2], frag[kk][3]);
+            fence_proxy_async();  // visible to the wgmma (async proxy)
+        };
         // dQ share = dS·K once both consumers' dSᵀ halves are in the buffer: dS MN-major from its
         // panel dq_q0 / 64, K rows kk * 16.. the K of MMA kk, K's columns dq_col0.. its N.
-        float acc_dq[kDQRegs];
+        // acc_dq: this consumer's share; `narrow` (a constant at each call): an uneven split's
+        // consumer 1, whose registers past kDQWidth1 / 2 are neither written nor read.
+        using DQShare = float[Tr::kDQWidth / 2];
         uint64_t const desc_ds = smem_desc_moved(desc_ds0, (t & 1) * Tr::kDSBytes);
-        auto issue_dq = [&]() {
+        auto issue_dq = [&](DQShare& acc_dq, bool narrow) {
             auto a_offset = [](int kk) { return kk * 16 * 128; };
-            if (Tr::kUnevenSplit && consumer == 1)
+            if constexpr (Tr::kQueryRows) {
+                static_assert(Tr::kDQWidth == 96, "a panel and a half");
+                wgmma_ss_steps<Element, 64, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt_panel, false);
+                wgmma_ss_steps<Element, 32, 1, 1, kBlockN / 16>(*reinterpret_cast<float (*)[16]>(&acc_dq[32]), desc_ds,
+                                                                 a_offset, desc_kt_half, false);
+            } else if (narrow)
                 wgmma_ss_steps<Element, Tr::kDQWidth1, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt, false);
             else
                 wgmma_ss_steps<Element, Tr::kDQWidth, 1, 1, kBlockN / 16>(acc_dq, desc_ds, a_offset, desc_kt, false);
@@ -703,14 +851,23 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // the previous step's (dQ in the stage: the stage is this step's until the dQ thread
         // releases it). Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4 XOR row % 8
         // (= lane / 4 here).
-        auto store_dq = [&]() {
+        auto store_dq = [&](const DQShare& acc_dq, bool narrow) {
             if (!Tr::kDQInStage && t > 0) mbar_wait(dq_empty, (t - 1) & 1);
             int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
             // One per-lane base: its bits 4-6 are the lane's swizzled chunk (every other term is a
             // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
             // one register instead of one per tile (fewer spills in the loop). dq_col0 / 32 is even,
-            // so tile i's box is the first's + dq_box_offset(i / 4), a constant.
-            uint32_t dq_lane = dq_box(stage, dq_col0 / 32) + dq_row * 128 +
+            // so tile i's box is the first's + dq_box_offset(i / 4), a constant (query rows: one of
+            // two, the consumer's).
+            auto box_offset = [&](int k) {
+                if constexpr (Tr::kQueryRows) {
+                    int const box = consumer == 0 ? k : k == 2 ? 3 : 4 + k;
+                    return Tr::dq_box_offset(box) - Tr::dq_box_offset(dq_first_box);
+                } else {
+                    return Tr::dq_box_offset(k);
+                }
+            };
+            uint32_t dq_lane = dq_box(stage, dq_first_box) + dq_row * 128 +
                                ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
             // A 64-bit store goes out a half-warp (4 rows) at a time, and rows r and r ^ 1 of the
             // swizzle put a tile's chunks in the same banks: two wavefronts where one would do. Odd
@@ -723,14 +880,63 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int i = 0; i < Tr::kDQWidth / 8; ++i) {
-                    if (Tr::kUnevenSplit && consumer == 1 && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
-                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + Tr::dq_box_offset(i / 4) + half * 8 * 128,
+                    if (narrow && i >= Tr::kDQWidth1 / 8) break;  // its narrower share
+                    st_shared_f32x2((dq_lane ^ ((i % 4) * 32)) + box_offset(i / 4) + half * 8 * 128,
                                     dq_value(i, 2 * half), dq_value(i, 2 * half + 1));
                 }
             fence_proxy_async();  // visible to the TMA (async proxy)
             mbar_arrive(Tr::kDQInStage ? dq_full_at(stage) : dq_full);
         };
-        if constexpr (Tr::kSplitColumns) {
+        // Split columns and query rows run the dQ phase, dq_tail(narrow), from one of two calls: an
+        // uneven split's consumer 1 gets code of its own that touches its share's registers only
+        // (with a run-time width in one code path, the register allocator keeps the registers it
+        // leaves unwritten live across steps, and ptxas serializes the wgmma when they are zeroed).
+        if constexpr (Tr::kQueryRows) {
+            // Both consumers' P and dS into the buffers, then dVᵀ, dKᵀ and dQ; dQ into the stage
+            // once both consumers' dVᵀ and dKᵀ (every Q and dO column) are done.
+            pack_fragments<Element>(s, p_frag);
+            store_rows_transposed(sP0 + (t & 1) * Tr::kPBytes, p_frag);
+#if FLASHGEN_BWD_SM90_ROWS_EARLY_DV
+            // dVᵀ reads this consumer's P only: to the tensor cores once its warpgroup has stored it,
+            // while dS is packed and stored and the consumers meet.
+            named_barrier_sync(3 + consumer, 128);
+            fence_registers(acc_dv);
+            wgmma_fence();
+            issue_dv();
+            wgmma_commit();
+            pack_fragments<Element>(dp, ds_frag);
+            store_rows_transposed(ds_buffer, ds_frag);
+            named_barrier_sync(1, Tr::kConsumerThreads);
+            fence_registers(acc_dk);
+            wgmma_fence();
+            issue_dk();
+            wgmma_commit();
+#else
+            pack_fragments<Element>(dp, ds_frag);
+            store_rows_transposed(ds_buffer, ds_frag);
+            named_barrier_sync(1, Tr::kConsumerThreads);
+            fence_registers(acc_dv);
+            fence_registers(acc_dk);
+            wgmma_fence();
+            issue_dv();
+            issue_dk();
+            wgmma_commit();
+#endif
+            auto dq_tail = [&](bool narrow) {
+                DQShare acc_dq;
+                issue_dq(acc_dq, narrow);
+                wgmma_commit();
+                wgmma_wait<1>();  // dVᵀ and dKᵀ done
+                fence_registers(acc_dv);
+                fence_registers(acc_dk);
+                named_barrier_sync(1, Tr::kConsumerThreads);  // the stage's Q and dO are read
+                wgmma_wait<0>();
+                fence_registers(acc_dq);
+                store_dq(acc_dq, narrow);  // the dQ thread releases the stage
+            };
+            if (Tr::kUnevenSplit && consumer == 1) dq_tail(true);
+            else dq_tail(false);
+        } else if constexpr (Tr::kSplitColumns) {
             // Both consumers' halves of Pᵀ and dSᵀ into their buffers, then dQ, dV and dK; dQ into
             // the stage once this consumer's dV and dK have read its panels there.
             pack_fragments<Element>(s, p_frag);
@@ -741,16 +947,21 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             fence_registers(acc_dv);
             fence_registers(acc_dk);
             wgmma_fence();
-            issue_dq();
-            wgmma_commit();
-            issue_dv();
-            issue_dk();
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_registers(acc_dq);
-            fence_registers(acc_dv);
-            fence_registers(acc_dk);
-            store_dq();  // the dQ thread releases the stage
+            auto dq_tail = [&](bool narrow) {
+                DQShare acc_dq;
+                issue_dq(acc_dq, narrow);
+                wgmma_commit();
+                issue_dv();
+                issue_dk();
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_registers(acc_dq);
+                fence_registers(acc_dv);
+                fence_registers(acc_dk);
+                store_dq(acc_dq, narrow);  // the dQ thread releases the stage
+            };
+            if (Tr::kUnevenSplit && consumer == 1) dq_tail(true);
+            else dq_tail(false);
         } else {
             // dV goes to the tensor cores while dSᵀ is packed and stored and the consumers meet; dQ
             // before dK, so that dQ's tile store overlaps dK.
@@ -764,13 +975,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             named_barrier_sync(1, Tr::kConsumerThreads);
             fence_registers(acc_dk);
             wgmma_fence();
-            issue_dq();
+            DQShare acc_dq;
+            issue_dq(acc_dq, false);
             wgmma_commit();
             issue_dk();
             wgmma_commit();
             wgmma_wait<1>();  // dV and dQ done
             fence_registers(acc_dq);
-            store_dq();
+            store_dq(acc_dq, false);
             wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
             fence_registers(acc_dv);
             fence_registers(acc_dk);
@@ -797,6 +1009,23 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     int const matrix = lane / 8;  // stmatrix: n8 tiles 2 j + matrix / 2, rows + 8 (matrix % 2)
     int const stage_row = keys0 + (warp % 4) * 16 + (matrix % 2) * 8 + lane % 8;
     auto stage = [&](uint32_t tile, const float (&acc)[kDKRegs], float scale) {
+        if constexpr (Tr::kQueryRows) {
+            // dKᵀ and dVᵀ transposed (stmatrix.trans): panel j's n8 tiles 2 kk and 2 kk + 1, head-dim
+            // rows + 0 and + 8, lane l the row of key keys0 + 16 kk + 8 (matrix / 2) + l % 8, its 8
+            // columns' chunk 2 (warp % 4) + matrix % 2 of panel j XOR the key's row % 8.
+            uint32_t const lane_row =
+                tile + (keys0 + (matrix / 2) * 8 + lane % 8) * 128 + (((2 * (warp % 4) + matrix % 2) ^ (lane % 8)) * 16);
+#pragma unroll
+            for (int j = 0; j < Tr::kPanels; ++j)
+#pragma unroll
+                for (int kk = 0; kk < Tr::kDKVWidth / 16; ++kk) {
+                    float const* a = &acc[j * Tr::kDKVWidth / 2 + 8 * kk];
+                    stmatrix_x4_trans(lane_row + j * Tr::kPanelKBytes + kk * 16 * 128,
+                                      Element::pack2(a[0] * scale, a[1] * scale), Element::pack2(a[2] * scale, a[3] * scale),
+                                      Element::pack2(a[4] * scale, a[5] * scale), Element::pack2(a[6] * scale, a[7] * scale));
+                }
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < Tr::kDKVWidth / 16; ++j) {
             if (Tr::kUnevenSplit && consumer == 1 && j >= Tr::kDKVWidth1 / 16) break;  // its narrower share
@@ -817,9 +1046,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                  bidh_kv * params.dv_head_stride;
     // Of a row's columns this consumer holds (an uneven split's consumer 1: the chunks past its
     // share are past the instance's head dim, which the store's column check leaves out).
-    constexpr int kChunks = Tr::kDKVWidth / 8;
+    constexpr int kChunks = (Tr::kQueryRows ? kHeadDim : Tr::kDKVWidth) / 8;
 #pragma unroll
-    for (int c = tid % 128; c < 64 * kChunks; c += 128) {
+    for (int c = tid % 128; c < Tr::kConsumerKeys * kChunks; c += 128) {
         int const row = keys0 + c / kChunks, chunk = dkv_col0 / 8 + c % kChunks, key = key0 + row;
         // Columns past a call narrower than the instance are the TMA's zeros: not stored.
         if (key < seqlen_k && chunk * 8 < params.head_dim) {

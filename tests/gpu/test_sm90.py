@@ -663,7 +663,7 @@ torch.save({"passes": batch, "alone": alone, "uris": uris}, sys.argv[2])
                  id="varlen-mha-causal"),
     pytest.param(128, 0, 0, 0, 4, 2, {"causal": True}, ([300, 1, 700, 129], [500, 77, 700, 1]), id="varlen-causal"),
     pytest.param(64, 0, 0, 0, 4, 4, {}, ([255, 1023, 64], [1023, 300, 2]), id="varlen-none"),
-    # Split columns (d192, d256): dQ through the step's Q and dO panels.
+    # Split columns (d256) and query rows (d192): dQ through the step's Q and dO panels.
     pytest.param(256, 2, 300, 1023, 4, 4, {}, None, id="d256-none-sq300-sk1023"),
     pytest.param(256, 4, 1023, 1023, 16, 4, {"causal": True}, None, id="d256-gqa4-causal-many-ctas"),
     pytest.param(192, 2, 1023, 300, 4, 4, {"causal": True}, None, id="d192-mha-causal-sq1023-sk300"),
