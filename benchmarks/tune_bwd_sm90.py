@@ -8,10 +8,14 @@ A variant is "default" or items joined by "+": NAME=VALUE defines, which go to
 FLASHGEN_NVRTC_EXTRA_OPTIONS as -DNAME=VALUE (part of the cache key, so each gets its own cubins),
 or tile.D.FIELD=VALUE, which replaces a field of the sm90 backward tile of instance head dim D
 (tiles._BWD_SM90; e.g. tile.192.stages=3: its rendered source differs, so its cubin too), or
-opt:OPTION, an NVRTC option as is (e.g. opt:--Ofast-compile=max); the loaded-kernel memo and the
-plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
+opt:OPTION, an NVRTC option as is (e.g. opt:--Ofast-compile=max), or tuning.FIELD=VALUE, a knob of
+runtime/tuning.py's Tuning for the variant's calls (e.g. tuning.bwd_causal_chunk_waves=0); the
+loaded-kernel memo and the plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
-forward, medians.
+forward, medians. --graph times CUDA-graph replays of the backward's three kernels (no host path:
+the 1k-token shapes' eager times vary with it from call to call), the variants in turn for each
+shape after the same warm-up, each round starting at the next variant (the clock drifts with the
+load, and the first variant after a change of shape measured up to 5% off).
 """
 import argparse
 import dataclasses
@@ -24,13 +28,21 @@ from triton.testing import do_bench
 
 import flashgen
 from flashgen.generator import cache, tiles
-from flashgen.runtime import dispatch, launch
+from flashgen.runtime import dispatch, launch, tuning
 
 _DEFAULT_TILES = dict(tiles._BWD_SM90)
 
 
-def use_variant(variant: str) -> None:
+def use_variant(variant: str) -> dict:
+    """Puts the variant's compile-time parts in force; returns its Tuning changes."""
     items = [] if variant == "default" else variant.split("+")
+    changes = {}
+    for item in items:
+        if item.startswith("tuning."):
+            field, value = item[len("tuning."):].split("=")
+            kind = type(getattr(tuning.DEFAULT, field))
+            changes[field] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
+    items = [item for item in items if not item.startswith("tuning.")]
     options = [item[len("opt:"):] if item.startswith("opt:") else f"-D{item}"
                for item in items if not item.startswith("tile.")]
     tiles._BWD_SM90.clear()
@@ -47,6 +59,43 @@ def use_variant(variant: str) -> None:
     launch._loaded.clear()  # keyed by spec, which the defines and tile patches are not part of
     cache._cubins.clear()
     dispatch.plan_bwd.cache_clear()
+    return changes
+
+
+def graph_bwd_ms(q, k, v, dout, causal, deterministic, changes, replays=20, warm_ms=150.0) -> float:
+    """Median ms of one backward (its three kernels) replayed from a CUDA graph, planned with the
+    variant's tuning changes."""
+    from flashgen.runtime import backward
+
+    with torch.no_grad():
+        out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+
+    def run():
+        backward.flash_bwd(dout, q, k, v, out, lse, *grads, softmax_scale=q.shape[-1] ** -0.5, causal=causal,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic)
+
+    with tuning.use(**changes):
+        run()  # compiles and loads outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    # As long a warm-up before each variant's replays (the clock settles with the load).
+    warm = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    warm[0].record()
+    graph.replay()
+    warm[1].record()
+    torch.cuda.synchronize()
+    for _ in range(max(3, int(warm_ms / warm[0].elapsed_time(warm[1])))):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def main() -> None:
@@ -58,6 +107,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
+    parser.add_argument("--graph", action="store_true", help="backward kernels only, from CUDA-graph replays")
     args = parser.parse_args()
     shapes = list(itertools.product((int(d) for d in args.head_dims.split(",")),
                                     (int(s) for s in args.seqlens.split(",")), (False, True)))
@@ -70,16 +120,26 @@ def main() -> None:
         flops = (2.5 if args.direction == "bwd" else 1.0) * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
         inputs[(head_dim, seqlen, causal)] = (q, k, v, torch.randn_like(q), flops)
     results = {}
-    for _ in range(args.rounds):
+    if args.graph:
+        if args.direction != "bwd":
+            parser.error("--graph times the backward")
+        for round_index in range(args.rounds):
+            shift = round_index % len(args.variants)  # each round starts at another variant
+            for shape, (q, k, v, dout, flops) in inputs.items():
+                for variant in args.variants[shift:] + args.variants[:shift]:
+                    ms = graph_bwd_ms(q, k, v, dout, shape[2], args.deterministic, use_variant(variant))
+                    results.setdefault((variant, shape), []).append(flops / ms / 1e9)
+    for _ in range(0 if args.graph else args.rounds):
         for variant in args.variants:
-            use_variant(variant)
+            changes = use_variant(variant)
             for shape, (q, k, v, dout, flops) in inputs.items():
                 if args.direction == "fwd":
-                    with torch.no_grad():
+                    with torch.no_grad(), tuning.use(**changes):
                         ms = do_bench(lambda: flashgen.flash_attn_func(q, k, v, causal=shape[2]),
                                       warmup=30, rep=150, return_mode="median")
                 else:
-                    out = flashgen.flash_attn_func(q, k, v, causal=shape[2], deterministic=args.deterministic)
+                    with tuning.use(**changes):  # its backward plans with its forward's tuning
+                        out = flashgen.flash_attn_func(q, k, v, causal=shape[2], deterministic=args.deterministic)
                     ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                   warmup=30, rep=150, return_mode="median")
                 results.setdefault((variant, shape), []).append(flops / ms / 1e9)

@@ -325,6 +325,7 @@ struct BwdParams {
     unsigned int dropout_threshold;  // as in FwdParams
     float rp_dropout;  // as in FwdParams
     int dq_turns_descending;  // deterministic sm90 dQ: 1 = key blocks add to a query block last first (grid reversed, query blocks ascending), 0 = first first; the plan's choice (BwdPlan.dq_turns_descending)
+    int cta_chunks;  // sm90: 0 = CTAs in launch order (key blocks fastest); C > 0 = the (batch, KV head) pairs in C even chunks, key blocks slowest within each (BwdPlan.cta_chunks)
 };
 static_assert(sizeof(BwdParams) == 376, "Params size drift");
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1305
@@ -383,6 +384,7 @@ static_assert(__builtin_offsetof(BwdParams, alibi_scale) == 356, "Params layout 
 static_assert(__builtin_offsetof(BwdParams, dropout_threshold) == 360, "Params layout drift: dropout_threshold");
 static_assert(__builtin_offsetof(BwdParams, rp_dropout) == 364, "Params layout drift: rp_dropout");
 static_assert(__builtin_offsetof(BwdParams, dq_turns_descending) == 368, "Params layout drift: dq_turns_descending");
+static_assert(__builtin_offsetof(BwdParams, cta_chunks) == 372, "Params layout drift: cta_chunks");
 #endif
 
 struct BwdRowParams {

@@ -104,3 +104,66 @@ def test_plan_picks_descending_turns_for_mha_causal_only():
     assert not descending(nheads=32)  # GQA
     assert not descending(causal=False)
     assert not descending(causal=False, window_size=(100, 0))
+
+
+def cta_of_launch(cta, n_blocks, heads, batch, chunks):
+    """(n_block, KV head, batch) of the CTA launched cta-th (bwd_sm90.cuh's bwd_cta, line for line)."""
+    if chunks <= 0:
+        return cta % n_blocks, cta // n_blocks % heads, cta // (n_blocks * heads)
+    pairs = heads * batch
+    small, larger = pairs // chunks, pairs % chunks
+    larger_ctas = larger * (small + 1) * n_blocks
+    if cta < larger_ctas:
+        chunk_pairs = small + 1
+        first_pair = cta // (chunk_pairs * n_blocks) * chunk_pairs
+    else:
+        chunk_pairs = small
+        first_pair = larger * (small + 1) + (cta - larger_ctas) // (small * n_blocks) * small
+    in_chunk = cta - first_pair * n_blocks
+    pair = first_pair + in_chunk % chunk_pairs
+    return in_chunk // chunk_pairs, pair % heads, pair // heads
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_blocks=st.integers(1, 40), heads=st.integers(1, 12), batch=st.integers(1, 9), data=st.data())
+def test_chunked_cta_order_covers_the_grid_longest_first(n_blocks, heads, batch, data):
+    pairs = heads * batch
+    chunks = data.draw(st.integers(0, pairs))
+    order = [cta_of_launch(c, n_blocks, heads, batch, chunks) for c in range(n_blocks * heads * batch)]
+    assert sorted(order) == [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batch)]
+    launched = {coords: c for c, coords in enumerate(order)}
+    for h in range(heads):
+        for b in range(batch):  # a pair's key blocks launch in ascending order (the dQ turns' premise)
+            assert all(launched[(n, h, b)] < launched[(n + 1, h, b)] for n in range(n_blocks - 1))
+    if chunks == 0:
+        return
+    # The specification: consecutive pairs (heads fastest) in chunks whose sizes differ by at most
+    # one, larger first; within a chunk key blocks slowest.
+    pair_list = [(h, b) for b in range(batch) for h in range(heads)]
+    sizes = [pairs // chunks + (i < pairs % chunks) for i in range(chunks)]
+    expected, first = [], 0
+    for size in sizes:
+        expected += [(n, h, b) for n in range(n_blocks) for h, b in pair_list[first:first + size]]
+        first += size
+    assert order == expected
+
+
+def test_plan_orders_causal_ctas_longest_first_in_chunks_of_waves():
+    from flashgen.runtime.dispatch import plan_bwd
+    from flashgen.runtime.tuning import Tuning
+
+    def chunks(**overrides):
+        args = dict(dtype="bf16", head_dim=128, batch=16, seqlen_q=1024, seqlen_k=1024, nheads_k=16, causal=True,
+                    window_size=(-1, -1), softcap=0.0, device=(9, 0), sm90=True, nheads=16)
+        return plan_bwd(**{**args, **overrides}).cta_chunks
+
+    # 8 key blocks: chunks of at least ceil(1.5 x 132 / 8) = 25 of the 256 pairs.
+    assert chunks() == 256 // 25
+    assert chunks(seqlen_q=16384, seqlen_k=16384, batch=1) == 16 // 2  # 128 key blocks: 2 pairs a chunk
+    assert chunks(tuning=Tuning(bwd_causal_chunk_waves=3.0)) == 256 // 50
+    assert chunks(batch=1, nheads_k=2, nheads=8) == 1  # fewer pairs than a chunk: one
+    assert chunks(tuning=Tuning(bwd_causal_chunk_waves=0.0)) == 0
+    assert chunks(causal=False) == 0  # CTAs of equal length
+    assert chunks(causal=False, window_size=(100, 0)) == 0
+    assert chunks(deterministic=True) == 0  # its dQ turns keep the launch order
+    assert chunks(sm90=False) == 0  # the sm80 family

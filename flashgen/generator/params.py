@@ -199,6 +199,9 @@ BWD_PARAMS: tuple[Field, ...] = (
     Field("dq_turns_descending", "i32",
           "deterministic sm90 dQ: 1 = key blocks add to a query block last first (grid reversed, query "
           "blocks ascending), 0 = first first; the plan's choice (BwdPlan.dq_turns_descending)"),
+    Field("cta_chunks", "i32",
+          "sm90: 0 = CTAs in launch order (key blocks fastest); C > 0 = the (batch, KV head) pairs in C "
+          "even chunks, key blocks slowest within each (BwdPlan.cta_chunks)"),
 )
 
 BWD_ROW_PARAMS: tuple[Field, ...] = (

@@ -7,7 +7,7 @@ from .. import config
 from ..generator import params as params_mod
 from ..generator.spec import KernelSpec
 from ..generator.tiles import ROW_KERNEL_WARPS, bwd_row_grid
-from . import execute, tma
+from . import execute, tma, tuning
 from .device import device_index, device_info
 from .dispatch import plan_bwd
 from .dropout import NO_DROPOUT_PARAMS
@@ -55,7 +55,7 @@ def flash_bwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
         nheads_k=nheads_k, causal=causal, window_size=window_size, softcap=softcap, device=info,
         family=config.forced_family(), dropout=dropout is not None and dropout.p > 0, nheads=nheads,
-        deterministic=deterministic,
+        deterministic=deterministic, tuning=tuning.current(),
         # The TMA checks only on Hopper; the sm90 backward takes dense and varlen calls (deterministic
         # or not), without seqused.
         sm90=info.capability[0] == 9 and seqused_q is None and seqused_k is None and tma.compatible(q, k, v, dout),
@@ -101,7 +101,7 @@ def flash_bwd(
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
-        dq_turns_descending=int(plan.dq_turns_descending),
+        dq_turns_descending=int(plan.dq_turns_descending), cta_chunks=plan.cta_chunks,
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk_out), ("dv", dv_out)):
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), row_strides(t))})

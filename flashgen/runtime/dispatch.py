@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import typing
 
 from ..generator import matrix
@@ -428,6 +429,9 @@ class BwdPlan:
     # gains with the former, GQA causal with the latter: benchmarks/results/
     # 20261202-nvidia-h200-sm90-bwd-rows-order and 20261201-nvidia-h200-sm90-bwd-det).
     dq_turns_descending: bool = False
+    # The sm90 grid's order (bwd_sm90.cuh's bwd_cta): 0 = launch order, C > 0 = the (batch, KV head)
+    # pairs in C even chunks, each run longest first (Tuning.bwd_causal_chunk_waves).
+    cta_chunks: int = 0
 
     @property
     def smem_bytes(self) -> int:
@@ -439,13 +443,13 @@ def plan_bwd(
     *, dtype: str, head_dim: int, batch: int, seqlen_q: int, seqlen_k: int, nheads_k: int,
     causal: bool, window_size: tuple[int, int], softcap: float, device: DeviceInfo | tuple[int, int],
     family: str | None = None, dropout: bool = False, sm90: bool = False, nheads: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, tuning: Tuning = DEFAULT_TUNING,
 ) -> BwdPlan:
     """The backward instance and grid for a call (a pure function, like plan_fwd). ``sm90``: the
     caller's inputs allow the sm90 backward (tensors the TMA can read, no seqused); on sm_90a such
     a call takes it when it has an instance (sm90_bwd_instance_head_dim), unless ``family`` forces
     sm80. ``nheads`` (None: as many as ``nheads_k``) and ``deterministic`` choose the
-    deterministic dQ order."""
+    deterministic dQ order; ``tuning`` the knobs (the runtime passes tuning.current())."""
     device, dtype, arch, allow_sm90, family = _call_target(device, dtype, family, sm90)
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     sm90_head_dim = sm90_bwd_instance_head_dim(head_dim) if allow_sm90 else None
@@ -453,8 +457,15 @@ def plan_bwd(
         tile = bwd_tile("sm90", arch, sm90_head_dim)
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
-        return BwdPlan(spec, tile, (max(1, -(-seqlen_k // tile.block_n)), nheads_k, batch), window_left, window_right,
-                       dq_turns_descending=descending)
+        key_blocks = max(1, -(-seqlen_k // tile.block_n))
+        chunks = 0
+        # Deterministic calls keep the launch order their dQ turns were measured with.
+        if mask == "causal" and not deterministic and tuning.bwd_causal_chunk_waves > 0:
+            pairs = batch * nheads_k
+            pairs_per_chunk = math.ceil(tuning.bwd_causal_chunk_waves * device.num_sms / key_blocks)
+            chunks = max(1, pairs // pairs_per_chunk)
+        return BwdPlan(spec, tile, (key_blocks, nheads_k, batch), window_left, window_right,
+                       dq_turns_descending=descending, cta_chunks=chunks)
     d_instance = instance_head_dim(head_dim)
     tile = bwd_tile(family, arch, d_instance)
     spec = KernelSpec("bwd", family, arch, dtype, d_instance, mask, softcap > 0, dropout=dropout)

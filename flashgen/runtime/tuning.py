@@ -58,6 +58,11 @@ class Tuning:
     decode_pair_min_sm_share: float = 0.5
     # The split-KV combine as a programmatic dependent launch on sm_90+ (execute.launch_combine).
     dependent_combine: bool = True
+    # The causal sm90 backward's CTAs (one per key block) visit fewer query blocks the later their
+    # keys: in launch order the longest ones of the last heads start last and the grid ends on a
+    # tail. They run longest first (key blocks slowest) within chunks of (batch, KV head) pairs of
+    # at least this many waves of CTAs (the heads of a chunk still meet in the L2); 0: launch order.
+    bwd_causal_chunk_waves: float = 1.5
 
     def __post_init__(self) -> None:
         # Hashed once: plan_fwd's memo hashes its arguments on every call.
@@ -83,7 +88,9 @@ def current() -> Tuning:
 def use(tuning: Tuning | None = None, **changes) -> Iterator[Tuning]:
     """Run the calls inside the block with ``tuning`` (default: the current one) changed by
     ``changes`` (Tuning's field names); yields the tuning in force."""
-    chosen = dataclasses.replace(current() if tuning is None else tuning, **changes)
+    base = current() if tuning is None else tuning
+    # (replace builds and hashes a new value: about 40 µs, on every backward that restores its forward's)
+    chosen = dataclasses.replace(base, **changes) if changes else base
     token = _current.set(chosen)
     try:
         yield chosen

@@ -398,6 +398,36 @@ __device__ __forceinline__ void softmax_backward_rows_sm90(float (&s)[Tr::kSRegs
 
 // Accumulator (64 rows x 16 k of S-like layout) -> the m64k16 A fragments of the next wgmma: the
 // k16 slice kk is n8 tiles 2 kk and 2 kk + 1.
+// The CTA's key block, KV head and batch. Launch order (chunks = 0): key blocks fastest (the
+// grid's x), so the CTAs of a (batch, KV head) run side by side and share its Q, dO and dQ in the
+// L2. Under a causal mask a key block's CTA visits fewer query blocks the later its keys, and in
+// that order the last heads' longest CTAs start last, at the grid's tail. chunks = C > 0 (the
+// plan's, under a causal mask): the (batch, KV head) pairs in C chunks of even size (the first
+// pairs % C one larger), each run key blocks slowest, the pairs of the chunk fastest: every pair's
+// longest CTAs first. Within a pair, key blocks still launch in ascending order.
+struct BwdCta {
+    int n_block, bidh_kv, bidb;
+};
+
+__device__ __forceinline__ BwdCta bwd_cta(int chunks) {
+    int const n_blocks = gridDim.x, heads = gridDim.y;
+    if (chunks <= 0) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    int const cta = blockIdx.x + n_blocks * (blockIdx.y + heads * blockIdx.z);
+    int const pairs = heads * gridDim.z, small = pairs / chunks, larger = pairs % chunks;
+    int const larger_ctas = larger * (small + 1) * n_blocks;
+    int chunk_pairs, first_pair;
+    if (cta < larger_ctas) {
+        chunk_pairs = small + 1;
+        first_pair = cta / (chunk_pairs * n_blocks) * chunk_pairs;
+    } else {
+        chunk_pairs = small;
+        first_pair = larger * (small + 1) + (cta - larger_ctas) / (small * n_blocks) * small;
+    }
+    int const in_chunk = cta - first_pair * n_blocks;  // the CTAs of the chunks before hold first_pair pairs
+    int const pair = first_pair + in_chunk % chunk_pairs;
+    return {in_chunk / chunk_pairs, pair % heads, pair / heads};
+}
+
 template <typename Element, int kRegs>
 __device__ __forceinline__ void pack_fragments(const float (&acc)[kRegs], uint32_t (&a)[kRegs / 8][4]) {
 #pragma unroll
@@ -438,7 +468,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
     // Deterministic dQ in descending turns runs the grid backwards (see the step order).
     bool const descending = Tr::kMask == Mask::Causal && params.dq_turns_descending != 0;  // the plan: causal only
-    int const n_block = descending ? gridDim.x - 1 - blockIdx.x : blockIdx.x, bidh_kv = blockIdx.y, bidb = blockIdx.z;
+    // (Launch order at compile time without a causal mask: the coordinates stay blockIdx, which
+    // the compiler re-reads where a computed value would stay live or spill.)
+    BwdCta const cta = bwd_cta(Tr::kMask == Mask::Causal ? params.cta_chunks : 0);
+    int const n_block = descending ? gridDim.x - 1 - cta.n_block : cta.n_block, bidh_kv = cta.bidh_kv, bidb = cta.bidb;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
     // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.
     bool const varlen_q = params.cu_seqlens_q_ptr != nullptr, varlen_k = params.cu_seqlens_k_ptr != nullptr;

@@ -594,6 +594,30 @@ def test_sm90_bwd_head_dim_below_the_instance(monkeypatch, launched, dtype, head
     _sm90_bwd_case(monkeypatch, launched, dtype, head_dim, kwargs, mask, batch, seqlen_q, seqlen_k, nheads, nheads_k)
 
 
+# Causal CTAs longest first in chunks of (batch, KV head) pairs (bwd_sm90.cuh's bwd_cta): the
+# benchmark shapes' chunks hold dozens of pairs, these calls' one unless the tuning asks for small
+# ones: 9 pairs in chunks of 3, 2, 2, 2 (or 9 of one, d256's 16 key blocks), every key block
+# covered once.
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256], ids=lambda d: f"d{d}")
+def test_sm90_bwd_causal_chunked_order(monkeypatch, launched, head_dim):
+    from test_bwd import check_grads, flash_grads
+
+    from flashgen.runtime import dispatch, tuning
+
+    batch, seqlen, nheads, nheads_k = 3, 1023, 6, 3
+    q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads_k, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
+    with tuning.use(bwd_causal_chunk_waves=0.1) as small_chunks:
+        grads = flash_grads(flashgen.flash_attn_func, (q, k, v), dout, causal=True)
+    plan = dispatch.plan_bwd(dtype=torch.bfloat16, head_dim=head_dim, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen,
+                             nheads_k=nheads_k, causal=True, window_size=(-1, -1), softcap=0.0, device=(9, 0),
+                             sm90=True, nheads=nheads, tuning=small_chunks)
+    assert plan.cta_chunks in (4, 9), plan
+    assert any(u.startswith("flash_bwd_sm90_") for u in launched), launched
+    check_grads(q, k, v, dout, grads, causal=True)
+
+
 def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched):
     from test_varlen import cu
 
