@@ -100,6 +100,9 @@ def _save_fwd(ctx, inputs, out, lse, rng_state) -> None:
     # Slopes go through save_for_backward too, so an in-place change before backward is caught.
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *([alibi_slopes] if alibi_slopes is not None else []))
     ctx.options = (softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+    # The autograd engine runs a CUDA backward on a thread of its own, where tuning.use's context
+    # is not in force: the backward plans with the tuning of its forward.
+    ctx.tuning = tuning.current()
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -113,8 +116,9 @@ def _fwd_grads(ctx, dout, bwd):
     q, k, v, out, lse, rng_state, *alibi = ctx.saved_tensors
     softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
-        softcap, alibi[0] if alibi else None, dropout_p, rng_state, deterministic)
+    with tuning.use(ctx.tuning):
+        bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_left, window_right,
+            softcap, alibi[0] if alibi else None, dropout_p, rng_state, deterministic)
     return dq, dk, dv
 
 
@@ -337,6 +341,7 @@ def _save_varlen_fwd(ctx, inputs, out, lse, rng_state) -> None:
     ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, *optional)
     ctx.present = (alibi_slopes is not None, seqused_q is not None, seqused_k is not None)
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+    ctx.tuning = tuning.current()  # as _save_fwd's
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -351,8 +356,9 @@ def _varlen_grads(ctx, dout, bwd):
     alibi_slopes, seqused_q, seqused_k = (optional.pop(0) if present else None for present in ctx.present)
     max_q, max_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic = ctx.options
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
-        window_right, softcap, alibi_slopes, seqused_q, seqused_k, dropout_p, rng_state, deterministic)
+    with tuning.use(ctx.tuning):
+        bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, seqused_q, seqused_k, dropout_p, rng_state, deterministic)
     return dq, dk, dv
 
 
