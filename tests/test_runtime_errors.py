@@ -19,6 +19,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_OUT_OF_MEMORY = 2
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209
     CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222
 
 
@@ -184,3 +185,62 @@ def test_launch_ex_failure_names_the_kernel_and_grid(monkeypatch):
     kernel = launch.LoadedKernel(SPEC, b"\x7fELF", smem_bytes=1000, num_threads=128)
     with pytest.raises(launch.CudaError, match=r"launching flash_fwd_sm80_hdim128_bf16_sm90a \(grid \(1, 8, 16\)"):
         kernel.launch_cluster((1, 8, 16), 7, b"params", (1, 1, 8))
+
+
+class ContextDriver(LaunchDriver):
+    """A thread with no context current (``current`` None): cuLaunchKernel fails as the driver does
+    there, until a context is made current."""
+
+    def __init__(self, launch_error: CUresult = CUresult.CUDA_SUCCESS):
+        super().__init__(launch_error)
+        self.current, self.retained = None, []
+
+    def cuDeviceGet(self, index):
+        return CUresult.CUDA_SUCCESS, f"device {index}"
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        self.retained.append(device)
+        return CUresult.CUDA_SUCCESS, f"primary context of {device}"
+
+    def cuCtxSetCurrent(self, context):
+        self.current = context
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernel(self, kernel, gx, gy, gz, bx, by, bz, smem, stream, args, extra):
+        if self.current is None:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        if self.launch_error != CUresult.CUDA_SUCCESS:
+            return (self.launch_error,)
+        self.launches.append(dict(grid=(gx, gy, gz), stream=stream, context=self.current))
+        return (CUresult.CUDA_SUCCESS,)
+
+
+def test_a_threads_first_launch_binds_the_primary_context_and_retries(monkeypatch):
+    from flashgen.runtime import execute
+
+    driver = ContextDriver()
+    monkeypatch.setattr(launch, "_driver", driver)
+    monkeypatch.setattr(launch, "_primary_contexts", {})
+    monkeypatch.setattr(execute, "stream_handle", lambda index: 7)
+    kernel = launch.LoadedKernel(SPEC, b"\x7fELF", smem_bytes=1000, num_threads=128)
+    for grid in ((3, 1, 1), (4, 1, 1)):
+        execute._prepare_and_launch(kernel, kernel.launch, grid, b"params", 1)
+    assert [(x["grid"], x["context"]) for x in driver.launches] == [
+        ((3, 1, 1), "primary context of device 1"), ((4, 1, 1), "primary context of device 1")]
+    assert driver.retained == ["device 1"]  # once per device
+    driver.current = None  # another thread: bound again, from the retained context
+    execute._prepare_and_launch(kernel, kernel.launch, (5, 1, 1), b"params", 1)
+    assert driver.retained == ["device 1"] and driver.launches[-1]["grid"] == (5, 1, 1)
+
+
+def test_other_launch_errors_are_not_retried(monkeypatch):
+    from flashgen.runtime import execute
+
+    driver = ContextDriver(CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    driver.current = "a context"
+    monkeypatch.setattr(launch, "_driver", driver)
+    monkeypatch.setattr(execute, "stream_handle", lambda index: 7)
+    kernel = launch.LoadedKernel(SPEC, b"\x7fELF", smem_bytes=1000, num_threads=128)
+    with pytest.raises(launch.CudaError, match="CUDA_ERROR_OUT_OF_MEMORY") as info:
+        execute._prepare_and_launch(kernel, kernel.launch, (3, 1, 1), b"params", 0)
+    assert not isinstance(info.value, launch.ContextNotCurrent) and driver.retained == []

@@ -14,7 +14,7 @@ from . import tma, tuning
 from .device import device_index, device_info
 from .dispatch import FwdPlan
 from .dropout import NO_DROPOUT_PARAMS
-from .launch import get_kernel
+from .launch import ContextNotCurrent, bind_primary_context, get_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -66,10 +66,17 @@ def launch_kernel(spec, smem_bytes: int, num_threads: int, grid, params: bytes, 
         launch = functools.partial(kernel.launch_cluster, cluster=cluster, dependent=dependent)
     if torch.cuda.current_device() != index:
         with torch.cuda.device(index):
-            kernel.prepare(index)
-            launch(grid, stream_handle(index), params)
+            _prepare_and_launch(kernel, launch, grid, params, index)
     else:
-        kernel.prepare(index)
+        _prepare_and_launch(kernel, launch, grid, params, index)
+
+
+def _prepare_and_launch(kernel, launch, grid, params: bytes, index: int) -> None:
+    kernel.prepare(index)
+    try:
+        launch(grid, stream_handle(index), params)
+    except ContextNotCurrent:  # a thread's first launch before any of PyTorch's: bind and retry
+        bind_primary_context(index)
         launch(grid, stream_handle(index), params)
 
 

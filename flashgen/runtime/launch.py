@@ -21,6 +21,25 @@ class CudaError(RuntimeError):
     pass
 
 
+class ContextNotCurrent(CudaError):
+    """A launch from a thread with no CUDA context current: one where nothing has called the CUDA
+    runtime yet (the autograd engine's device thread, a user's thread), since PyTorch makes its
+    context current only on a device switch or its own first launch there."""
+
+
+_primary_contexts: dict[int, object] = {}
+
+
+def bind_primary_context(device_index: int) -> None:
+    """Make the device's primary context (PyTorch's) current on the calling thread."""
+    context = _primary_contexts.get(device_index)
+    if context is None:
+        device = check(_driver.cuDeviceGet(device_index), "cuDeviceGet")
+        context = check(_driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        _primary_contexts[device_index] = context
+    check(_driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
 # cuLibraryLoadData errors meaning "this driver or GPU cannot run this cubin": most often NVRTC is
 # newer than the driver, or the cubin was built for another architecture.
 _INCOMPATIBLE_IMAGE_ERRORS = (
@@ -220,7 +239,8 @@ class LoadedKernel:
             self._launch_failed(grid, result[0])
 
     def _launch_failed(self, grid: tuple[int, int, int], err) -> None:
-        raise CudaError(
+        no_context = err == _driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
+        raise (ContextNotCurrent if no_context else CudaError)(
             f"launching {self.spec.uri} (grid {grid}, {self.num_threads} threads, "
             f"{self.smem_bytes} B shared memory) failed: {_error_text(_driver, err)}"
         )

@@ -301,6 +301,32 @@ def test_cuda_graph_replay():
         assert_close_fa_rule(out_static, out_ref, out_pt)
 
 
+def test_a_new_thread_launches_without_a_cuda_call_of_its_own():
+    """A thread that has made no CUDA runtime call (its output served from the allocator's cache)
+    has no context current: flashgen's first launch there binds PyTorch's primary context."""
+    import threading
+
+    q, k, v = make_qkv(2, 300, 255, 8, 2, 128)
+    expected = flashgen.flash_attn_func(q, k, v, causal=True)  # compiled, loaded, its blocks cached
+    del expected
+    result = {}
+
+    def work():
+        try:
+            result["out"] = flashgen.flash_attn_func(q, k, v, causal=True)
+        except Exception as error:  # reported below, in the test's thread
+            result["error"] = error
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    torch.cuda.synchronize()
+    out_ref, _ = attention_ref(q, k, v, causal=True)
+    out_pt, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    assert_close_fa_rule(result["out"], out_ref, out_pt)
+
+
 def test_non_default_stream():
     q, k, v = make_qkv(2, 300, 255, 8, 2, 128)
     flashgen.flash_attn_func(q, k, v, causal=True)  # compile and load first: both may synchronize
