@@ -61,7 +61,8 @@ class Tuning:
     # The causal sm90 backward's CTAs (one per key block) visit fewer query blocks the later their
     # keys: in launch order the longest ones of the last heads start last and the grid ends on a
     # tail. They run longest first (key blocks slowest) within chunks of (batch, KV head) pairs of
-    # at least this many waves of CTAs (the heads of a chunk still meet in the L2); 0: launch order.
+    # at least this many waves of CTAs (the heads of a chunk still meet in the L2); 0: launch order
+    # (1 to 3 measured: benchmarks/results/20261204-nvidia-h200-sm90-bwd-causal-order).
     bwd_causal_chunk_waves: float = 1.5
 
     def __post_init__(self) -> None:
