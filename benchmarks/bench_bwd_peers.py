@@ -4,10 +4,12 @@ FlashAttention-2 through PyTorch's SDPA.
 
 TFLOP/s of the backward alone (FlashAttention's count: 2.5 x the forward's 4·b·h·sq·sk·d, halved
 when causal), bf16, batch x seqlen = 16k tokens, hidden 2048 (nheads = 2048 / d; GQA g: nheads / g
-KV heads). Each backward runs through one untimed forward; medians of do_bench.
+KV heads). Each backward runs through one untimed forward; medians of do_bench. --graph times
+replays of a CUDA graph of each backward instead: the kernels alone, without the host path (at 1k
+tokens an eager backward's host time is about its GPU time).
 
     python benchmarks/bench_bwd_peers.py [--head-dims 64,128] [--seqlens 1024,4096,16384] \
-        [--gqa 1,4] [--impls flashgen,flashgen-det,flashgen-sm80,fa4,fa4-det,cudnn,fa2] [--out results.json]
+        [--gqa 1,4] [--impls flashgen,flashgen-det,flashgen-sm80,fa4,fa4-det,cudnn,fa2] [--graph] [--out results.json]
 """
 import argparse
 import contextlib
@@ -96,11 +98,25 @@ IMPLS = {
 }
 
 
-def backward_ms(forward, q, k, v, dout, causal) -> float:
+def backward_ms(forward, q, k, v, dout, causal, graph=False) -> float:
     with _environment(getattr(forward, "env", {})):
-        out = forward(q, k, v, causal)
-        return do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                        warmup=30, rep=150, return_mode="median")
+        if not graph:
+            out = forward(q, k, v, causal)
+            return do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                            warmup=30, rep=150, return_mode="median")
+        # Autograd runs a backward on its forward's stream: both on the capture stream, the forward
+        # (and warm-up backwards, which compile and fill the allocator) outside the capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = forward(q, k, v, causal)
+            for _ in range(3):
+                torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured, stream=stream):
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        return do_bench(captured.replay, warmup=30, rep=150, return_mode="median")
 
 
 def main() -> None:
@@ -109,12 +125,14 @@ def main() -> None:
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--gqa", default="1,4")
     parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernels only)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     impls, missing = available(args.impls, IMPLS)
     rows = []
     names = list(impls)
-    print(f"{torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, hidden 2048")
+    print(f"{torch.cuda.get_device_name()}: backward TFLOP/s, bf16, 16k tokens, hidden 2048"
+          + (", CUDA-graph replays" if args.graph else ", eager"))
     print(f"{'shape':<22}" + "".join(f"{n:>14}" for n in names), flush=True)
     for head_dim, seqlen, gqa, causal in itertools.product(
             (int(d) for d in args.head_dims.split(",")), (int(s) for s in args.seqlens.split(",")),
@@ -133,7 +151,7 @@ def main() -> None:
         tflops = {}
         for name, forward in impls.items():
             try:
-                tflops[name] = flops / backward_ms(forward, q, k, v, dout, causal) / 1e9
+                tflops[name] = flops / backward_ms(forward, q, k, v, dout, causal, args.graph) / 1e9
             except Exception as exc:  # a config the peer does not take: reported, never faked
                 tflops[name] = None
                 print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
@@ -154,7 +172,7 @@ def main() -> None:
             print(f"{key}: geomean {s['geomean']:.3f}, min {s['min']:.3f} over {s['shapes']} shapes")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "graph": args.graph, "rows": rows,
                        "summary": summary, "missing": missing}, f, indent=1)
 
 
