@@ -1,9 +1,11 @@
 """CPU tier: the runtime's errors say how to fix the machine, checked with a fake CUDA driver."""
 from __future__ import annotations
 
+import ctypes
 import enum
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from flashgen.cli import cli
@@ -244,3 +246,66 @@ def test_other_launch_errors_are_not_retried(monkeypatch):
     with pytest.raises(launch.CudaError, match="CUDA_ERROR_OUT_OF_MEMORY") as info:
         execute._prepare_and_launch(kernel, kernel.launch, (3, 1, 1), b"params", 0)
     assert not isinstance(info.value, launch.ContextNotCurrent) and driver.retained == []
+
+
+class TensorMapDriver(ContextDriver):
+    """cuTensorMapEncodeTiled as the driver has it on a thread with no context current."""
+
+    class CUtensorMapDataType(enum.IntEnum):
+        CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+        CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7
+        CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+
+    CUtensorMapInterleave = enum.IntEnum("CUtensorMapInterleave", {"CU_TENSOR_MAP_INTERLEAVE_NONE": 0})
+    CUtensorMapSwizzle = enum.IntEnum("CUtensorMapSwizzle", {"CU_TENSOR_MAP_SWIZZLE_128B": 3})
+    CUtensorMapL2promotion = enum.IntEnum("CUtensorMapL2promotion", {"CU_TENSOR_MAP_L2_PROMOTION_L2_256B": 3})
+    CUtensorMapFloatOOBfill = enum.IntEnum("CUtensorMapFloatOOBfill", {"CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE": 0})
+    cuuint64_t = cuuint32_t = int
+
+    def __init__(self):
+        super().__init__()
+        self.encoded = []
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, address, *rest):
+        if self.current is None:
+            return CUresult.CUDA_ERROR_INVALID_CONTEXT, None
+        self.encoded.append((dtype, rank, self.current))
+        return CUresult.CUDA_SUCCESS, self.TensorMap()
+
+    class TensorMap:
+        """A CUtensorMap: its 128 bytes behind getPtr."""
+
+        def __init__(self):
+            self.storage = ctypes.create_string_buffer(b"\x01" * 128, 128)
+
+        def getPtr(self):
+            return ctypes.addressof(self.storage)
+
+
+def test_a_tensor_map_on_a_thread_without_a_context_binds_the_primary_context(monkeypatch):
+    """The autograd engine's thread may encode the backward's tensor maps before anything there
+    made a context current: the encode binds PyTorch's context and retries, as a launch does."""
+    from flashgen.runtime import tma
+
+    driver = TensorMapDriver()
+    monkeypatch.setattr(launch, "_driver", driver)
+    monkeypatch.setattr(launch, "_primary_contexts", {})
+    bound = []
+    monkeypatch.setattr(tma, "bind_primary_context", lambda index: bound.append(index) or driver.cuCtxSetCurrent("ctx"))
+    q = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16)
+    assert tma._encode(q, 64) == b"\x01" * 128
+    assert bound == [q.device.index] and driver.encoded == [(driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, "ctx")]
+    assert tma._encode(q, 64) == b"\x01" * 128 and len(bound) == 1  # bound once: the thread keeps it
+
+
+def test_other_tensor_map_errors_are_not_retried(monkeypatch):
+    from flashgen.runtime import tma
+
+    class Refusing(TensorMapDriver):
+        def cuTensorMapEncodeTiled(self, *args):
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
+
+    monkeypatch.setattr(launch, "_driver", Refusing())
+    monkeypatch.setattr(tma, "bind_primary_context", lambda index: pytest.fail("bound a context"))
+    with pytest.raises(launch.CudaError, match="cuTensorMapEncodeTiled failed .* CUDA_ERROR_OUT_OF_MEMORY"):
+        tma._encode(torch.empty(2, 64, 4, 128, dtype=torch.bfloat16), 64)

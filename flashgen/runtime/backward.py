@@ -105,12 +105,14 @@ def flash_bwd(
     )
     for prefix, t in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk_out), ("dv", dv_out)):
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), row_strides(t))})
-    threads = ROW_KERNEL_WARPS * 32
-    execute.launch_kernel(pre, 0, threads, row_grid, row_params, index)
-    # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.
     packed = params_mod.pack(params_mod.BWD_LAYOUT, values)
     if spec.family == "sm90":  # the TMA maps of Q, K, V, dO and the dQ buffer before the BwdParams
         packed = tma.sm90_bwd_params(q, k, v, dout, dq_accum, plan.tile.block_m, plan.tile.block_n, packed)
+    # Everything packed first: the three kernels are enqueued back to back, so the GPU does not
+    # idle between them while the host packs.
+    threads = ROW_KERNEL_WARPS * 32
+    execute.launch_kernel(pre, 0, threads, row_grid, row_params, index)
+    # Keys that no query sees still get dK = dV = 0: the main kernel writes every key row it owns.
     execute.launch_kernel(spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index)
     execute.launch_kernel(post, 0, threads, row_grid, row_params, index)
     if dk_out is not dk:

@@ -143,11 +143,15 @@ class _EagerAttention(torch.autograd.Function):
                                  alibi_slopes, pack_gqa, num_splits, dropout_p)
         _save_fwd(ctx, inputs, out, lse, dropout.rng_state())
         ctx.mark_non_differentiable(lse)
+        # No zero gradient filled in for lse (a kernel launch and an allocation per backward).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         del dlse  # lse is not differentiable
+        if dout is None:  # out's gradient never materialized: nothing flows back
+            return (None,) * 13
         # (Compiled autograd traces this backward: the op then.)
         return (*_fwd_grads(ctx, dout, _bwd_op if torch.compiler.is_compiling() else _bwd), *(None,) * 10)
 
@@ -382,11 +386,14 @@ class _EagerVarlenAttention(torch.autograd.Function):
                                         seqused_k, pack_gqa, num_splits, dropout_p)
         _save_varlen_fwd(ctx, inputs, out, lse, dropout.rng_state())
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # as _EagerAttention's
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         del dlse  # lse is not differentiable
+        if dout is None:
+            return (None,) * 19
         bwd = _varlen_bwd_op if torch.compiler.is_compiling() else _varlen_bwd
         return (*_varlen_grads(ctx, dout, bwd), *(None,) * 16)
 

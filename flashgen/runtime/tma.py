@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from .launch import CudaError, _error_text, _import_driver
+from .launch import CudaError, _error_text, _import_driver, bind_primary_context
 
 TMA_MAP_BYTES = 128  # sizeof(CUtensorMap)
 PANEL_BYTES = 128    # a box's columns: the widest the 128-byte swizzle allows
@@ -82,7 +82,7 @@ def _encode(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
     # (an expanded or sliced view may carry 0 or an odd value there).
     dims = [(n, stride if n > 1 else d, box) for n, stride, box in dims]
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    err, tensor_map = driver.cuTensorMapEncodeTiled(
+    arguments = (
         dtype, u32(1 + len(dims)), t.data_ptr(),
         [u64(d)] + [u64(n) for n, _, _ in dims],
         [u64(stride * size) for _, stride, _ in dims],
@@ -93,6 +93,12 @@ def _encode(t: torch.Tensor, box_rows: int, group: int = 1) -> bytes:
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
+    err, tensor_map = driver.cuTensorMapEncodeTiled(*arguments)
+    if err != driver.CUresult.CUDA_SUCCESS and err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        # A thread where nothing called CUDA yet (the autograd engine's, before any allocation
+        # there): bind PyTorch's context, as a launch does (execute._prepare_and_launch).
+        bind_primary_context(t.device.index)
+        err, tensor_map = driver.cuTensorMapEncodeTiled(*arguments)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise CudaError(
             f"cuTensorMapEncodeTiled failed for a tensor of shape {tuple(t.shape)}, strides {tuple(t.stride())}, "
