@@ -8,12 +8,14 @@ One shape (bf16, 16k tokens, hidden 2048, seqlen 1024, causal). For each phase (
 after `import flash_attn.cute`, after FA4 ran the shape, after gc.freeze, with the gc disabled): the
 threads, gc state and object count; the autograd engine's cost on an identity Function; a Python
 and a torch.empty_like loop; per call host time (enqueue without a sync) and do_bench of flashgen's
-backward (and flashgen with set_materialize_grads(False), and FA4's), the time in _fwd_grads and
+backward (and flashgen with set_materialize_grads(True) as before, and FA4's), the time in _fwd_grads and
 in flash_bwd alone. Then torch.profiler kernel times of each backward.
 """
 
+import cProfile
 import gc
 import os
+import pstats
 import sys
 import threading
 import time
@@ -26,11 +28,17 @@ from flashgen.runtime import backward as fg_backward, validate, interface
 
 _inner = [0.0, 0]
 _orig = interface._fwd_grads
+_backward_profile = []  # a cProfile.Profile to run _fwd_grads under (on the autograd thread)
 
 
 def _timed(*a):
     t = time.perf_counter()
-    r = _orig(*a)
+    if _backward_profile:
+        _backward_profile[0].enable()
+        r = _orig(*a)
+        _backward_profile[0].disable()
+    else:
+        r = _orig(*a)
     _inner[0] += time.perf_counter() - t
     _inner[1] += 1
     return r
@@ -52,6 +60,20 @@ flops = 2.5 * 4 * B * H * S * S * D / 2
 def host_us(fn, n=40):
     fn()
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    enq = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return enq
+
+
+def busy_host_us(fn, n=40):
+    """host_us with the GPU held by a sleep kernel longer than the n calls' enqueue: a call that
+    waits on the GPU (a sync, a full launch queue) shows up as a jump here."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about 1 s at 1.98 GHz
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -93,6 +115,7 @@ def measure(tag, impls):
         out = fwd()
         grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         hs = [host_us(grad) for _ in range(3)]
+        busy = busy_host_us(grad)
         ms = do_bench(grad, warmup=30, rep=150, return_mode="median")
         gcs = gc.get_stats()
         _inner[:] = [0.0, 0]
@@ -100,7 +123,7 @@ def measure(tag, impls):
         if name == "flashgen":
             print(f"  flashgen _fwd_grads {_inner[0] / max(_inner[1], 1) * 1e6:.0f} us/call", flush=True)
         print(
-            f"  {name}: host {[round(h) for h in hs]} us/call, do_bench {flops / ms / 1e9:.0f} TFLOP/s ({ms * 1e3:.0f} us) gc_collections={[s['collections'] for s in gcs]}",
+            f"  {name}: host {[round(h) for h in hs]} us/call (GPU held: {busy:.0f}), do_bench {flops / ms / 1e9:.0f} TFLOP/s ({ms * 1e3:.0f} us) gc_collections={[s['collections'] for s in gcs]}",
             flush=True,
         )
     # the body alone
@@ -125,14 +148,34 @@ def measure(tag, impls):
         alibi_slopes=None,
         deterministic=False,
     )
-    print(f"  flash_bwd body host {[round(host_us(body)) for _ in range(3)]} us/call", flush=True)
+    print(f"  flash_bwd body host {[round(host_us(body)) for _ in range(3)]} us/call (GPU held: {busy_host_us(body):.0f})", flush=True)
+    if tag == "clean":  # where flash_bwd's and the engine's host time goes, with the GPU held
+        out = impls["flashgen"]()
+        grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for label, fn in (("flash_bwd", body), ("autograd.grad's _fwd_grads", grad)):
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e9))
+            prof = cProfile.Profile()
+            if fn is body:
+                prof.enable()
+            else:
+                _backward_profile.append(prof)
+            for _ in range(40):
+                fn()
+            prof.disable()
+            _backward_profile.clear()
+            torch.cuda.synchronize()
+            print(f"  cProfile of 40 {label} calls (GPU held), by own time:", flush=True)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
 
 
-class NoMaterialize(interface._EagerAttention):
+class Materialize(interface._EagerAttention):  # the zero lse gradient filled in, as before 2026-12-06
     @staticmethod
     def forward(ctx, *inputs):
-        ctx.set_materialize_grads(False)
-        return interface._EagerAttention.forward(ctx, *inputs)
+        result = interface._EagerAttention.forward(ctx, *inputs)
+        ctx.set_materialize_grads(True)
+        return result
 
 
 class Identity(torch.autograd.Function):
@@ -157,7 +200,7 @@ def engine_us():
 _window = validate.fwd(q, k, v, 0.0, None, CAUSAL, (-1, -1), 0.0, None, False, False, None, 1)
 impls = {
     "flashgen": lambda: flashgen.flash_attn_func(q, k, v, causal=CAUSAL),
-    "flashgen-nomat": lambda: NoMaterialize.apply(
+    "flashgen-materialize": lambda: Materialize.apply(
         q, k, v, D**-0.5, CAUSAL, *_window, 0.0, None, None, 1, 0.0, False
     )[0],
 }
@@ -179,7 +222,7 @@ gc.enable()
 # Kernel times of each backward (torch.profiler, 10 calls)
 
 for name, fwd in impls.items():
-    if name == "flashgen-nomat":
+    if name == "flashgen-materialize":
         continue
     out = fwd()
     grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
