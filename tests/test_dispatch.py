@@ -774,3 +774,18 @@ def test_tuning_use_changes_the_current_tuning_for_a_block():
             pass
     assert tuning.current() is DEFAULT_TUNING
     assert hash(Tuning(decode_paired_head_dims=frozenset({64}))) != hash(DEFAULT_TUNING)  # a memo key
+
+
+def test_chunk_aligned_copies_a_contiguous_view_off_a_16_byte_boundary():
+    # contiguous() would return such a view as it is, and the kernels' 16-byte loads would fault.
+    import torch
+
+    from flashgen.runtime.execute import chunk_aligned, whole_chunks
+
+    base = torch.randn(2 * 64 * 4 * 64 + 1, dtype=torch.bfloat16)
+    view = base[1:].view(2, 64, 4, 64)
+    assert view.is_contiguous() and not whole_chunks(view)
+    copy = chunk_aligned(view)
+    assert copy.data_ptr() != view.data_ptr() and whole_chunks(copy) and torch.equal(copy, view)
+    aligned = base[:-1].view(2, 64, 4, 64)  # the allocation's start: aligned
+    assert whole_chunks(aligned) and chunk_aligned(aligned) is aligned

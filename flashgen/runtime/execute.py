@@ -4,6 +4,8 @@ none of them."""
 from __future__ import annotations
 
 import functools
+import struct
+import typing
 
 import torch
 
@@ -34,8 +36,9 @@ def whole_chunks(t: torch.Tensor) -> bool:
 def chunk_aligned(t: torch.Tensor) -> torch.Tensor:
     """t, or a copy in whole 16-byte chunks (whole_chunks). Inputs are validated to have a
     contiguous last dim; dout arrives in whatever layout autograd made (expanded from a sum,
-    interleaved from a stack, ...)."""
-    return t if whole_chunks(t) else t.contiguous()
+    interleaved from a stack, ...). A copy also where t is contiguous but starts off a 16-byte
+    boundary (a view at an odd offset), which ``contiguous()`` would hand back as it is."""
+    return t if whole_chunks(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 # The kernels move rows in whole 16-byte chunks (8 fp16/bf16 elements). As in flash_attn 2, a call
@@ -157,13 +160,16 @@ def run_fwd(
     plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
     seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
     page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-    dropout=None, max_seqlen_q=None,
-) -> None:
+    dropout=None, max_seqlen_q=None, record: bool = False,
+) -> FwdRecord | None:
     """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
 
     Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
     q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
-    capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows."""
+    capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows.
+    ``record``: also return an FwdRecord of the launch for the next calls of the same description
+    where it is one launch whose params differ between such calls only in the five tensor
+    pointers (None otherwise)."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     if cu_seqlens_q is not None:
@@ -220,11 +226,15 @@ def run_fwd(
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
         **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
     )
+    fwd_params = packed
+    group = nheads // nheads_k if plan.spec.pack_gqa else 1
     if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
-        group = nheads // nheads_k if plan.spec.pack_gqa else 1
         packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
     launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
             dependent=plan.dependent_launch, cluster=(1, 1, splits) if plan.merge_in_cluster else None)
+    reusable = (record and splits == 1 and padded_out is None and alibi_slopes is None and cu_seqlens_q is None
+                and (dropout is None or dropout.p == 0) and not any(
+                    t is not None for t in (seqused_k, leftpad_k, kv_batch_idx, block_table, cu_seqlens_k, seqused_q)))
     if padded_out is not None:
         out.copy_(padded_out[..., :head_dim])
     if splits > 1 and not plan.merge_in_cluster:
@@ -238,3 +248,38 @@ def run_fwd(
             out_strides=row_strides(out), lse_strides=lse_strides, num_splits=splits,
             batch=batch if cu_seqlens_q is None else 1, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
         )
+    if not reusable:
+        return None
+    return FwdRecord(plan, fwd_params, group)
+
+
+_FWD_FIELD_NAMES = [f.name for f in params_mod.FWD_LAYOUT.fields]
+# Where a dense forward's tensor pointers sit in FwdParams (q, k, v, out, lse).
+_FWD_POINTER_OFFSETS = tuple(params_mod.FWD_LAYOUT.offsets[_FWD_FIELD_NAMES.index(name)]
+                             for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"))
+_POINTER = struct.Struct("<Q")
+
+
+class FwdRecord(typing.NamedTuple):
+    """A dense forward's launch, planned and packed once for the calls of one description
+    (interface._fwd's key: shapes, strides, dtype, device, options, tuning): each call writes its
+    five tensor pointers into a copy of the params and launches. One launch only: no split-KV
+    partials, no padded O, no ALiBi slopes or dropout state."""
+
+    plan: FwdPlan
+    params: bytes       # FwdParams, pointers of the call that made the record
+    pack_gqa_group: int  # heads per KV head in a PackGQA Q map, else 1
+
+
+def run_fwd_record(record: FwdRecord, q, k, v, out, lse, index: int) -> None:
+    """run_fwd for a call of the record's description (q, k, v already in 16-byte chunks)."""
+    params = bytearray(record.params)
+    for offset, t in zip(_FWD_POINTER_OFFSETS, (q, k, v, out, lse)):
+        _POINTER.pack_into(params, offset, t.data_ptr())
+    plan = record.plan
+    if plan.spec.family == "sm90":
+        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, bytes(params), record.pack_gqa_group)
+    else:
+        packed = bytes(params)
+    launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
+                  dependent=plan.dependent_launch)

@@ -238,6 +238,30 @@ def test_fwd_noncontiguous(nheads_k, mask):
     assert all(torch.equal(x, orig) for x, orig in zip((q, k, v), originals)), "inputs were modified"
 
 
+def test_fwd_contiguous_views_off_a_16_byte_boundary():
+    """Contiguous q, k, v that start one element past a chunk boundary (views into a larger
+    buffer): the kernels read 16-byte chunks, so the call runs on aligned copies, also after the
+    same description's aligned call left a launch record."""
+    shape_q, shape_kv = (2, 113, 4, 128), (2, 255, 2, 128)
+    aligned = make_qkv(2, 113, 255, 4, 2, 128)
+    check_fwd(*aligned, causal=True)  # leaves the description's launch record
+    views = []
+    for shape in (shape_q, shape_kv, shape_kv):
+        storage = randn(math.prod(shape) + 1)
+        views.append(storage[1:].view(shape))
+    assert all(x.is_contiguous() and x.data_ptr() % 16 for x in views)
+    check_fwd(*views, causal=True)
+
+
+@pytest.mark.parametrize("head_dim, nheads_k, mask", [(128, 2, "causal"), (64, 4, "none"), (256, 1, "local")])
+def test_fwd_repeated_calls_read_each_calls_tensors(head_dim, nheads_k, mask):
+    """A repeated call of one description launches from its record with the new call's pointers
+    and tensor maps: fresh inputs each time, and the first ones again."""
+    first = make_qkv(2, 300, 255, 4, nheads_k, head_dim)
+    for qkv in (first, make_qkv(2, 300, 255, 4, nheads_k, head_dim), make_qkv(2, 300, 255, 4, nheads_k, head_dim), first):
+        check_fwd(*qkv, **MASKS[mask])
+
+
 @pytest.mark.parametrize("mask", MASKS)
 def test_fwd_qkvpacked(mask):
     qkv = randn(2, 255, 3, 4, 64)
