@@ -57,9 +57,13 @@ dout = torch.randn_like(q)
 flops = 2.5 * 4 * B * H * S * S * D / 2
 
 
-def host_us(fn, n=40):
+def host_us(fn, n=40, hold_gpu=False):
+    """Host µs to enqueue one of n calls without a sync; ``hold_gpu``: behind a sleep kernel longer
+    than the enqueueing, so that a call that waits on the GPU (a sync, a full launch queue) shows."""
     fn()
     torch.cuda.synchronize()
+    if hold_gpu:
+        torch.cuda._sleep(int(2e9))  # about 1 s at 1.98 GHz
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -69,17 +73,7 @@ def host_us(fn, n=40):
 
 
 def busy_host_us(fn, n=40):
-    """host_us with the GPU held by a sleep kernel longer than the n calls' enqueue: a call that
-    waits on the GPU (a sync, a full launch queue) shows up as a jump here."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # about 1 s at 1.98 GHz
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    enq = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return enq
+    return host_us(fn, n, hold_gpu=True)
 
 
 def py_us(n=20000):
