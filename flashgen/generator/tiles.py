@@ -325,8 +325,8 @@ class Sm90BwdTile(_Sm90Warpgroups):
 # atomics from registers cost d256 1.77x: benchmarks/results/20261202-nvidia-h200-sm90-bwd-d256).
 # A third Q/dO stage paid only where the stage also holds dQ and fits (the split columns' d192:
 # 1.06x, benchmarks/results/20261203-nvidia-h200-sm90-bwd-dq-in-stage); at d64/d128 neither it nor
-# computing Pᵀ during dPᵀ paid (benchmarks/results/tuning_history_h200.md; on the H100 with no added
-# spills the fused pass was 1.019x: 20261206-nvidia-h100-sm90-bwd-softmax-passes-det-dropout).
+# computing Pᵀ during dPᵀ paid (benchmarks/results/tuning_history_h200.md and
+# 20261206-nvidia-h100-sm90-bwd-softmax-passes-det-dropout).
 _BWD_SM90 = {
     64: Sm90BwdTile(128),
     128: Sm90BwdTile(64),
