@@ -165,5 +165,28 @@ def test_plan_orders_causal_ctas_longest_first_in_chunks_of_waves():
     assert chunks(tuning=Tuning(bwd_causal_chunk_waves=0.0)) == 0
     assert chunks(causal=False) == 0  # CTAs of equal length
     assert chunks(causal=False, window_size=(100, 0)) == 0
-    assert chunks(deterministic=True) == 0  # its dQ turns keep the launch order
     assert chunks(sm90=False) == 0  # the sm80 family
+
+
+def test_plan_chunks_deterministic_pairs_by_their_share_of_the_l2():
+    from flashgen.runtime.dispatch import plan_bwd
+    from flashgen.runtime.tuning import Tuning
+
+    def chunks(share, **overrides):
+        args = dict(dtype="bf16", head_dim=128, batch=4, seqlen_q=4096, seqlen_k=4096, nheads_k=16, causal=False,
+                    window_size=(-1, -1), softcap=0.0, device=(9, 0), sm90=True, nheads=16, deterministic=True)
+        return plan_bwd(**{**args, **overrides}, tuning=Tuning(bwd_det_chunk_l2_share=share)).cta_chunks
+
+    # A pair's Q, dO and fp32 dQ: 4096 x 128 x 8 bytes = 4 MiB, 12 of them in 50 MiB: 64 pairs in 5 chunks.
+    assert chunks(1.0) == 5
+    assert chunks(1.0, causal=True) == 5
+    assert chunks(1.0, nheads=64) == 64 // 3  # GQA 4: a pair holds its 4 query heads' rows, 16 MiB
+    assert chunks(0.5) == 64 // 6
+    assert chunks(1e-4) == 64  # one pair a chunk
+    assert chunks(100.0) == 1  # all pairs fastest
+    assert chunks(0.0) == 0  # launch order
+    # The GPU tier's chunked deterministic cases (tests/gpu/test_sm90.py) take the chunks they name.
+    assert chunks(0.21, head_dim=64, batch=2, seqlen_q=4095, seqlen_k=4095) == 6
+    assert chunks(1e-4, head_dim=64, batch=2, seqlen_q=4095, seqlen_k=4095) == 32
+    assert chunks(0.5, batch=4, seqlen_q=2047, seqlen_k=2047, nheads_k=4, causal=True) == 5
+    assert chunks(0.1, head_dim=64, batch=4, seqlen_q=2047, seqlen_k=2047, causal=True) == 12

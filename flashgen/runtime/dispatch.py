@@ -430,7 +430,8 @@ class BwdPlan:
     # 20261202-nvidia-h200-sm90-bwd-rows-order and 20261201-nvidia-h200-sm90-bwd-det).
     dq_turns_descending: bool = False
     # The sm90 grid's order (bwd_sm90.cuh's bwd_cta): 0 = launch order, C > 0 = the (batch, KV head)
-    # pairs in C even chunks, each run longest first (Tuning.bwd_causal_chunk_waves).
+    # pairs in C even chunks, each run key blocks slowest (Tuning.bwd_causal_chunk_waves, or in
+    # deterministic mode Tuning.bwd_det_chunk_l2_share).
     cta_chunks: int = 0
 
     @property
@@ -458,10 +459,14 @@ def plan_bwd(
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
         key_blocks = max(1, -(-seqlen_k // tile.block_n))
-        chunks = 0
-        # Deterministic calls keep the launch order their dQ turns were measured with.
-        if mask == "causal" and not deterministic and tuning.bwd_causal_chunk_waves > 0:
-            pairs = batch * nheads_k
+        chunks, pairs = 0, batch * nheads_k
+        if deterministic:
+            if tuning.bwd_det_chunk_l2_share > 0:
+                group = (nheads or nheads_k) // nheads_k
+                pair_bytes = group * seqlen_q * head_dim * (2 * 2 + 4)  # Q and dO (16-bit), dQ in fp32
+                pairs_per_chunk = max(1, int(tuning.bwd_det_chunk_l2_share * device.l2_bytes // pair_bytes))
+                chunks = max(1, pairs // pairs_per_chunk)
+        elif mask == "causal" and tuning.bwd_causal_chunk_waves > 0:
             pairs_per_chunk = math.ceil(tuning.bwd_causal_chunk_waves * device.num_sms / key_blocks)
             chunks = max(1, pairs // pairs_per_chunk)
         return BwdPlan(spec, tile, (key_blocks, nheads_k, batch), window_left, window_right,

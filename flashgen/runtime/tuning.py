@@ -64,6 +64,12 @@ class Tuning:
     # at least this many waves of CTAs (the heads of a chunk still meet in the L2); 0: launch order
     # (1 to 3 measured: benchmarks/results/20261204-nvidia-h200-sm90-bwd-causal-order).
     bwd_causal_chunk_waves: float = 1.5
+    # Deterministic sm90 backward: a key block adds its dQ to a query block after the block before
+    # it, so in launch order each head's resident key blocks form one chain of waits. The grid runs
+    # in chunks of (batch, KV head) pairs, pairs fastest: as many pairs a chunk as this share of the
+    # L2 holds of one pair's Q, dO and fp32 dQ; 0: launch order. Larger shares lose (1: 0.89x of
+    # launch order, 4: 0.65x; benchmarks/results/20261206-nvidia-h100-sm90-bwd-det-chunks).
+    bwd_det_chunk_l2_share: float = 0.25
 
     def __post_init__(self) -> None:
         # Hashed once: plan_fwd's memo hashes its arguments on every call.

@@ -402,9 +402,10 @@ __device__ __forceinline__ void softmax_backward_rows_sm90(float (&s)[Tr::kSRegs
 // grid's x), so the CTAs of a (batch, KV head) run side by side and share its Q, dO and dQ in the
 // L2. Under a causal mask a key block's CTA visits fewer query blocks the later its keys, and in
 // that order the last heads' longest CTAs start last, at the grid's tail. chunks = C > 0 (the
-// plan's, under a causal mask): the (batch, KV head) pairs in C chunks of even size (the first
-// pairs % C one larger), each run key blocks slowest, the pairs of the chunk fastest: every pair's
-// longest CTAs first. Within a pair, key blocks still launch in ascending order.
+// plan's, under a causal mask or in deterministic mode): the (batch, KV head) pairs in C chunks of
+// even size (the first pairs % C one larger), each run key blocks slowest, the pairs of the chunk
+// fastest: every pair's longest CTAs first. Within a pair, key blocks still launch in ascending
+// order, so a deterministic block's dQ turn still waits only for blocks launched before it.
 struct BwdCta {
     int n_block, bidh_kv, bidb;
 };
@@ -468,9 +469,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
     // Deterministic dQ in descending turns runs the grid backwards (see the step order).
     bool const descending = Tr::kMask == Mask::Causal && params.dq_turns_descending != 0;  // the plan: causal only
-    // (Launch order at compile time without a causal mask: the coordinates stay blockIdx, which
-    // the compiler re-reads where a computed value would stay live or spill.)
-    BwdCta const cta = bwd_cta(Tr::kMask == Mask::Causal ? params.cta_chunks : 0);
+    // (Without a causal mask only deterministic calls take chunks: otherwise the coordinates stay
+    // blockIdx, which the compiler re-reads where a computed value would stay live or spill.)
+    BwdCta const cta = bwd_cta(Tr::kMask == Mask::Causal || semaphores != nullptr ? params.cta_chunks : 0);
     int const n_block = descending ? gridDim.x - 1 - cta.n_block : cta.n_block, bidh_kv = cta.bidh_kv, bidb = cta.bidb;
     // Varlen: sequence bidb is rows [q_offset, q_offset + seqlen_q) of q/dO and [k_offset, k_offset +
     // seqlen_k) of k/v/dk/dv (seq_extent.cuh), each tensor mapped as a batch of one.

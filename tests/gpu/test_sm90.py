@@ -638,7 +638,7 @@ def test_sm90_bwd_leaves_what_it_lacks_to_sm80(monkeypatch, launched):
 DETERMINISTIC_PASSES = 20
 _DETERMINISTIC_CHILD = """
 import sys, torch, flashgen
-from flashgen.runtime import execute
+from flashgen.runtime import execute, tuning
 uris = []
 launch = execute.launch_kernel
 execute.launch_kernel = lambda spec, *args, **kw: (uris.append(spec.uri), launch(spec, *args, **kw))[1]
@@ -658,12 +658,13 @@ def passes(q, k, v, dout, lengths_q, lengths_k, count):
     return [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(count)]
 
 q, k, v, dout = (data[n] for n in ("q", "k", "v", "dout"))
-batch = passes(q, k, v, dout, *(lengths or (None, None)), int(sys.argv[3]))
-if lengths:
-    (lq, *_), (lk, *_) = lengths
-    alone = passes(q[:lq], k[:lk], v[:lk], dout[:lq], [lq], [lk], 1)[0]
-else:
-    alone = passes(q[:1], k[:1], v[:1], dout[:1], None, None, 1)[0]
+with tuning.use(**data["tuning"]):
+    batch = passes(q, k, v, dout, *(lengths or (None, None)), int(sys.argv[3]))
+    if lengths:
+        (lq, *_), (lk, *_) = lengths
+        alone = passes(q[:lq], k[:lk], v[:lk], dout[:lq], [lq], [lk], 1)[0]
+    else:
+        alone = passes(q[:1], k[:1], v[:1], dout[:1], None, None, 1)[0]
 torch.cuda.synchronize()
 torch.save({"passes": batch, "alone": alone, "uris": uris}, sys.argv[2])
 """
@@ -678,6 +679,17 @@ torch.save({"passes": batch, "alone": alone, "uris": uris}, sys.argv[2])
     # More CTAs than SMs: the ordering must not wait on blocks that are not resident yet.
     pytest.param(128, 4, 2047, 2047, 16, 4, {"causal": True}, None, id="d128-gqa4-causal-many-ctas"),
     pytest.param(64, 2, 4095, 4095, 16, 16, {}, None, id="d64-none-many-ctas"),
+    # Chunked launch order (Tuning.bwd_det_chunk_l2_share): 32 pairs in 6 chunks (two of 6, four of
+    # 5), one pair a chunk, and 16 GQA pairs in 5 chunks (one of 4) under a causal mask; MHA causal
+    # (descending turns, the grid reversed) in 12 chunks.
+    pytest.param(64, 2, 4095, 4095, 16, 16, {"tuning": {"bwd_det_chunk_l2_share": 0.21}}, None,
+                 id="d64-none-many-ctas-6-chunks"),
+    pytest.param(64, 2, 4095, 4095, 16, 16, {"tuning": {"bwd_det_chunk_l2_share": 1e-4}}, None,
+                 id="d64-none-many-ctas-pair-chunks"),
+    pytest.param(128, 4, 2047, 2047, 16, 4, {"causal": True, "tuning": {"bwd_det_chunk_l2_share": 0.5}}, None,
+                 id="d128-gqa4-causal-5-chunks"),
+    pytest.param(64, 4, 2047, 2047, 16, 16, {"causal": True, "tuning": {"bwd_det_chunk_l2_share": 0.1}}, None,
+                 id="d64-mha-causal-12-chunks"),
     # MHA causal: descending turns, the grid reversed (more CTAs than SMs, and query rows past the
     # keys' diagonal in a partial last query block).
     pytest.param(64, 4, 2047, 2047, 16, 16, {"causal": True}, None, id="d64-mha-causal-many-ctas"),
@@ -706,6 +718,7 @@ def test_sm90_bwd_deterministic(tmp_path, head_dim, batch, seqlen_q, seqlen_k, n
     from test_varlen import check_sequence_grads
 
     kwargs = dict(kwargs)
+    tuning_changes = kwargs.pop("tuning", {})
     if lengths is None:
         q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.bfloat16)
         if kwargs.pop("alibi", False):  # per head, so that the first batch element alone takes them too
@@ -715,7 +728,8 @@ def test_sm90_bwd_deterministic(tmp_path, head_dim, batch, seqlen_q, seqlen_k, n
                    for n, h in ((lengths[0], nheads), (lengths[1], nheads_k), (lengths[1], nheads_k)))
     dout = torch.randn_like(q)
     inputs, outputs = tmp_path / "inputs.pt", tmp_path / "outputs.pt"
-    torch.save({"q": q, "k": k, "v": v, "dout": dout, "kwargs": kwargs, "lengths": lengths}, inputs)
+    torch.save({"q": q, "k": k, "v": v, "dout": dout, "kwargs": kwargs, "lengths": lengths, "tuning": tuning_changes},
+               inputs)
     repo = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     try:
