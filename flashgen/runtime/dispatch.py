@@ -459,16 +459,14 @@ def plan_bwd(
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
         key_blocks = max(1, -(-seqlen_k // tile.block_n))
-        chunks, pairs = 0, batch * nheads_k
-        if deterministic:
-            if tuning.bwd_det_chunk_l2_share > 0:
-                group = (nheads or nheads_k) // nheads_k
-                pair_bytes = group * seqlen_q * head_dim * (2 * 2 + 4)  # Q and dO (16-bit), dQ in fp32
-                pairs_per_chunk = max(1, int(tuning.bwd_det_chunk_l2_share * device.l2_bytes // pair_bytes))
-                chunks = max(1, pairs // pairs_per_chunk)
-        elif mask == "causal" and tuning.bwd_causal_chunk_waves > 0:
+        pairs_per_chunk = 0  # 0: launch order
+        if deterministic and tuning.bwd_det_chunk_l2_share > 0:
+            group = (nheads or nheads_k) // nheads_k
+            pair_bytes = group * seqlen_q * head_dim * (2 * 2 + 4)  # Q and dO (16-bit), dQ in fp32
+            pairs_per_chunk = max(1, int(tuning.bwd_det_chunk_l2_share * device.l2_bytes // pair_bytes))
+        elif not deterministic and mask == "causal" and tuning.bwd_causal_chunk_waves > 0:
             pairs_per_chunk = math.ceil(tuning.bwd_causal_chunk_waves * device.num_sms / key_blocks)
-            chunks = max(1, pairs // pairs_per_chunk)
+        chunks = max(1, batch * nheads_k // pairs_per_chunk) if pairs_per_chunk else 0
         return BwdPlan(spec, tile, (key_blocks, nheads_k, batch), window_left, window_right,
                        dq_turns_descending=descending, cta_chunks=chunks)
     d_instance = instance_head_dim(head_dim)

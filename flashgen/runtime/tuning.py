@@ -67,8 +67,8 @@ class Tuning:
     # Deterministic sm90 backward: a key block adds its dQ to a query block after the block before
     # it, so in launch order each head's resident key blocks form one chain of waits. The grid runs
     # in chunks of (batch, KV head) pairs, pairs fastest: as many pairs a chunk as this share of the
-    # L2 holds of one pair's Q, dO and fp32 dQ; 0: launch order. Larger shares lose (1: 0.89x of
-    # launch order, 4: 0.65x; benchmarks/results/20261206-nvidia-h100-sm90-bwd-det-chunks).
+    # L2 holds of one pair's Q, dO and fp32 dQ; 0: launch order (larger shares lose under a causal
+    # mask: benchmarks/results/20261206-nvidia-h100-sm90-bwd-det-chunks).
     bwd_det_chunk_l2_share: float = 0.25
 
     def __post_init__(self) -> None:
