@@ -8,11 +8,13 @@ A variant is "default" or items joined by "+": NAME=VALUE defines, which go to
 FLASHGEN_NVRTC_EXTRA_OPTIONS as -DNAME=VALUE (part of the cache key, so each gets its own cubins),
 or tile.D.FIELD=VALUE, which replaces a field of the sm90 backward tile of instance head dim D
 (tiles._BWD_SM90; e.g. tile.192.stages=3: its rendered source differs, so its cubin too), or
+fwdtile.D.FIELD=VALUE, the same for the sm90 forward's tile (tiles._FWD_SM90; e.g.
+fwdtile.256.block_n=80; the wgmma header then carries every variant's widths, default's too), or
 opt:OPTION, an NVRTC option as is (e.g. opt:--Ofast-compile=max), or tuning.FIELD=VALUE, a knob of
 runtime/tuning.py's Tuning for the variant's calls (e.g. tuning.bwd_causal_chunk_waves=0); the
 loaded-kernel memo and the plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
-forward, medians. --graph times CUDA-graph replays of the backward's three kernels (no host path:
+forward, medians. --graph times CUDA-graph replays of the backward's three kernels or the forward (no host path:
 the 1k-token shapes' eager times vary with it from call to call), the variants in turn for each
 shape after the same warm-up, each round starting at the next variant (the clock drifts with the
 load, and the first variant after a change of shape measured up to 5% off).
@@ -27,10 +29,11 @@ import torch
 from triton.testing import do_bench
 
 import flashgen
-from flashgen.generator import cache, tiles
-from flashgen.runtime import dispatch, launch, tuning
+from flashgen.generator import cache, tiles, wgmma
+from flashgen.runtime import dispatch, interface, launch, tuning
 
-_DEFAULT_TILES = dict(tiles._BWD_SM90)
+_DEFAULT_TILES = {"tile": dict(tiles._BWD_SM90), "fwdtile": dict(tiles._FWD_SM90)}
+_TABLES = {"tile": tiles._BWD_SM90, "fwdtile": tiles._FWD_SM90}
 
 
 def use_variant(variant: str) -> dict:
@@ -44,14 +47,18 @@ def use_variant(variant: str) -> dict:
             changes[field] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
     items = [item for item in items if not item.startswith("tuning.")]
     options = [item[len("opt:"):] if item.startswith("opt:") else f"-D{item}"
-               for item in items if not item.startswith("tile.")]
-    tiles._BWD_SM90.clear()
-    tiles._BWD_SM90.update(_DEFAULT_TILES)
+               for item in items if not item.startswith(("tile.", "fwdtile."))]
+    for name, table in _TABLES.items():
+        table.clear()
+        table.update(_DEFAULT_TILES[name])
     for item in items:
-        if item.startswith("tile."):
-            _, head_dim, assignment = item.split(".", 2)
+        if item.startswith(("tile.", "fwdtile.")):
+            name, head_dim, assignment = item.split(".", 2)
             field, value = assignment.split("=")
-            tiles._BWD_SM90[int(head_dim)] = dataclasses.replace(tiles._BWD_SM90[int(head_dim)], **{field: int(value)})
+            table, head_dim = _TABLES[name], int(head_dim)
+            kind = type(getattr(table[head_dim], field))
+            table[head_dim] = dataclasses.replace(
+                table[head_dim], **{field: (value.lower() in ("1", "true")) if kind is bool else kind(value)})
     if options:
         os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(options)
     else:
@@ -59,12 +66,24 @@ def use_variant(variant: str) -> dict:
     launch._loaded.clear()  # keyed by spec, which the defines and tile patches are not part of
     cache._cubins.clear()
     dispatch.plan_bwd.cache_clear()
+    dispatch.plan_fwd.cache_clear()
+    interface._fwd_records.clear()  # a record holds its plan and kernel, keyed by neither
     return changes
 
 
-def graph_bwd_ms(q, k, v, dout, causal, deterministic, changes, replays=20, warm_ms=150.0) -> float:
-    """Median ms of one backward (its three kernels) replayed from a CUDA graph, planned with the
-    variant's tuning changes."""
+def render_every_width(variants: list[str]) -> None:
+    """Renders the wgmma wrappers of every variant's tiles into the one header all variants share
+    (more wrappers change no kernel's code, only every instance's source text, so its cubin)."""
+    widths = set(wgmma.N_TILES)
+    for variant in variants:
+        use_variant(variant)
+        widths |= set(tiles.sm90_mma_widths())
+    wgmma.N_TILES = tuple(sorted(widths))
+
+
+def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", replays=20, warm_ms=150.0) -> float:
+    """Median ms of one backward (its three kernels) or forward replayed from a CUDA graph, planned
+    with the variant's tuning changes."""
     from flashgen.runtime import backward
 
     with torch.no_grad():
@@ -72,6 +91,10 @@ def graph_bwd_ms(q, k, v, dout, causal, deterministic, changes, replays=20, warm
     grads = [torch.empty_like(x) for x in (q, k, v)]
 
     def run():
+        if direction == "fwd":
+            with torch.no_grad():
+                flashgen.flash_attn_func(q, k, v, causal=causal)
+            return
         backward.flash_bwd(dout, q, k, v, out, lse, *grads, softmax_scale=q.shape[-1] ** -0.5, causal=causal,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic)
 
@@ -107,7 +130,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
-    parser.add_argument("--graph", action="store_true", help="backward kernels only, from CUDA-graph replays")
+    parser.add_argument("--graph", action="store_true", help="kernels only, from CUDA-graph replays")
     args = parser.parse_args()
     shapes = list(itertools.product((int(d) for d in args.head_dims.split(",")),
                                     (int(s) for s in args.seqlens.split(",")), (False, True)))
@@ -119,15 +142,14 @@ def main() -> None:
                             requires_grad=True) for _ in range(2))
         flops = (2.5 if args.direction == "bwd" else 1.0) * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
         inputs[(head_dim, seqlen, causal)] = (q, k, v, torch.randn_like(q), flops)
+    render_every_width(args.variants)
     results = {}
     if args.graph:
-        if args.direction != "bwd":
-            parser.error("--graph times the backward")
         for round_index in range(args.rounds):
             shift = round_index % len(args.variants)  # each round starts at another variant
             for shape, (q, k, v, dout, flops) in inputs.items():
                 for variant in args.variants[shift:] + args.variants[:shift]:
-                    ms = graph_bwd_ms(q, k, v, dout, shape[2], args.deterministic, use_variant(variant))
+                    ms = graph_ms(q, k, v, dout, shape[2], args.deterministic, use_variant(variant), args.direction)
                     results.setdefault((variant, shape), []).append(flops / ms / 1e9)
     for _ in range(0 if args.graph else args.rounds):
         for variant in args.variants:
@@ -146,11 +168,13 @@ def main() -> None:
     use_variant("default")
     print(f"{torch.cuda.get_device_name()}: sm90 {'backward' if args.direction == 'bwd' else 'forward'} TFLOP/s (median of {args.rounds} rounds), gqa {args.gqa}, "
           f"deterministic={args.deterministic}")
-    print(f"{'shape':<18}" + "".join(f"{v:>34}" for v in args.variants))
+    widths = [max(12, len(v) + 2) for v in args.variants]  # long variant names keep a space between them
+    print(f"{'shape':<18}" + "".join(f"{v:>{w}}" for v, w in zip(args.variants, widths)))
     for shape in inputs:
         head_dim, seqlen, causal = shape
         label = f"d{head_dim} s{seqlen}{' causal' if causal else ''}"
-        print(f"{label:<18}" + "".join(f"{statistics.median(results[(v, shape)]):>34.1f}" for v in args.variants))
+        print(f"{label:<18}" + "".join(f"{statistics.median(results[(v, shape)]):>{w}.1f}"
+                                       for v, w in zip(args.variants, widths)))
     base = args.variants[0]
     for variant in args.variants[1:]:
         ratios = [statistics.median(results[(variant, shape)]) / statistics.median(results[(base, shape)])
