@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_sm90_hdim128_bf16_causal_sm90a(const __grid_constant__ flashgen::Sm90BwdParams params) {
     using Traits = flashgen::Sm90BwdTraits<
         flashgen::bfloat16_t, /*kHeadDim=*/128, /*kBlockM=*/64, /*kBlockN=*/128,
-        /*kStages=*/2, /*kDQTiles=*/1,
+        /*kStages=*/2,
         flashgen::Mask::Causal, /*kSoftcap=*/false, /*kDropout=*/false,
         /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockN == 128,

@@ -627,21 +627,6 @@ def test_sm90_backward_tiles_and_widths():
         tiles.Sm90BwdTile(128, block_n=64)
 
 
-def test_sm90_backward_second_dq_tile_fits_and_is_counted():
-    from flashgen.generator import tiles
-
-    one, two = tiles.Sm90BwdTile(64), tiles.Sm90BwdTile(64, dq_tiles=2)
-    # A second 64-query fp32 tile of 128 columns and its full and empty mbarriers.
-    assert two.smem_bytes(128) - one.smem_bytes(128) == 64 * 128 * 4 + 2 * 8
-    assert two.smem_bytes(128) <= tiles.smem_limit("sm_90a")
-    # d64's 128-query tiles leave no room for a second one.
-    assert tiles.Sm90BwdTile(128, dq_tiles=2).smem_bytes(64) > tiles.smem_limit("sm_90a")
-    with pytest.raises(ValueError, match="dQ tiles"):
-        tiles.Sm90BwdTile(64, block_n=64, dq_tiles=2)  # split columns: dQ lies in the stage
-    with pytest.raises(ValueError, match="dQ tiles"):
-        tiles.Sm90BwdTile(64, dq_tiles=3)
-
-
 def test_tma_compatible_inputs():
     import torch
 

@@ -77,7 +77,7 @@ def render_instance(spec: KernelSpec) -> str:
     )
     if spec.direction == "bwd" and spec.family == "sm90":
         return _env().get_template("bwd_sm90_instance.cu.j2").render(
-            **attention, stages=tile.stages, dq_tiles=tile.dq_tiles, dropout=_cpp_bool(spec.dropout),
+            **attention, stages=tile.stages, dropout=_cpp_bool(spec.dropout),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
         )
     if spec.direction == "bwd":

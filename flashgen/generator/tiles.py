@@ -236,16 +236,11 @@ class Sm90BwdTile(_Sm90Warpgroups):
     block_m: int     # queries per step: the K of dV and dK
     block_n: int = 128
     stages: int = 2  # Q/dO blocks in flight
-    # fp32 dQ tiles of its own (kDQTiles), filled in turn: with two, the consumers store a step's dQ
-    # while the dQ thread still waits for the previous step's deterministic turn. dQ in the stage: 1.
-    dq_tiles: int = 1
     producer_registers: int = 24
     num_warps: int = 12
 
     def __post_init__(self) -> None:
         self._check_registers()
-        if self.dq_tiles not in (1, 2) or (self.dq_in_stage and self.dq_tiles != 1):
-            raise ValueError(f"{self}: one or two dQ tiles of its own (none in the stage)")
         if self.block_n not in (64, 96, 128) or self.block_m not in (64, 128):
             raise ValueError(f"{self}: the consumers own 64 keys each (block_n 128), share 64 (block_n 64) or "
                              "own 48 in the queries' domain (block_n 96); dQ = dS·K splits 64 or 128 queries over them")
@@ -310,12 +305,12 @@ class Sm90BwdTile(_Sm90Warpgroups):
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns and
-        query rows, two Pᵀ) buffers, dq_tiles fp32 dQ tiles unless in the stage, per stage the LSE and D
-        rows, 1 + 2 * dq_tiles + 2 * stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
+        query rows, two Pᵀ) buffers, the fp32 dQ tile unless in the stage, per stage the LSE and D
+        rows, 3 + 2 * stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
         panels = head_dim // 64
         transposed_buffers = 4 if self.split_columns or self.query_rows else 2
-        dq_tile = 0 if self.dq_in_stage else self.dq_tiles * self.block_m * head_dim * 4
-        barriers = 1 + 2 * self.dq_tiles + (3 if self.dq_in_stage else 2) * self.stages
+        dq_tile = 0 if self.dq_in_stage else self.block_m * head_dim * 4
+        barriers = 3 + (3 if self.dq_in_stage else 2) * self.stages
         return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
                 + transposed_buffers * self.block_n * self.block_m * ELEMENT_BYTES + dq_tile
                 + 2 * self.stages * self.block_m * 4 + 8 * barriers)

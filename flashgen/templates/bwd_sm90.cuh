@@ -113,8 +113,8 @@ struct Sm90BwdParams {
     BwdParams p;
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kDQTiles_, Mask kMask_,
-          bool kSoftcap_, bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, Mask kMask_, bool kSoftcap_,
+          bool kDropout_, int kProducerRegs_, int kConsumerRegs_>
 struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     using Element = Element_;
     using T = typename Element::storage;
@@ -122,9 +122,6 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kBlockM = kBlockM_;  // queries per step
     static constexpr int kBlockN = kBlockN_;  // keys of the CTA
     static constexpr int kStages = kStages_;  // Q/dO (and LSE/D) stages
-    // fp32 dQ tiles of its own that the consumers fill in turn (1 or 2; dQ in the stage: none):
-    // with two, a step's dQ goes in while the dQ thread still waits on the previous step's turn.
-    static constexpr int kDQTiles = kDQTiles_;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;
     static constexpr bool kDropout = kDropout_;  // the forward's Philox mask on P (and dP)
@@ -187,16 +184,14 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kDQRowPairs = !kUnevenSplit;
 #endif
     static constexpr int kDQBoxBytes = kBlockM * 128;
-    static constexpr int kDQTileBytes = kHeadDim / 32 * kDQBoxBytes;
-    static constexpr int kDQBytes = kDQInStage ? 0 : kDQTiles * kDQTileBytes;
+    static constexpr int kDQBytes = kDQInStage ? 0 : kHeadDim / 32 * kDQBoxBytes;
     // Of box b from the tile's first byte (the stage's Q, or the tile of its own); additive over
     // b = 2 k + j, so a consumer's n8 tile i is its first box's + dq_box_offset(i / 4).
     __device__ static constexpr int dq_box_offset(int box) {
         return kDQInStage ? (box % 2) * (kStages * kQBytes) + (box / 2) * kPanelQBytes : box * kDQBoxBytes;
     }
-    // K/V; per dQ tile full and empty (unused with dQ in the stage); per stage full, empty and (dQ
-    // in the stage) dQ full.
-    static constexpr int kBarriers = 1 + 2 * kDQTiles + (kDQInStage ? 3 : 2) * kStages;
+    // K/V; dQ full and empty (a tile of its own); per stage full, empty and (dQ in the stage) dQ full.
+    static constexpr int kBarriers = 3 + (kDQInStage ? 3 : 2) * kStages;
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
                                       kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
@@ -209,7 +204,6 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static_assert((kBlockM == 64 || kBlockM == 128) && (kDQWidth % 64 == 0 || (kQueryRows && kPanels == 3)),
                   "dQ shares of whole panels (query rows: a panel and a half, at d192)");
     static_assert(!kSplitColumns || kBlockM == 64, "split columns: one dSᵀ panel, each consumer's queries in half of it");
-    static_assert((kDQTiles == 1 || kDQTiles == 2) && !(kDQInStage && kDQTiles != 1), "dQ tiles of its own: one or two");
     static_assert(!kDQInStage || (kDQBoxBytes == kPanelQBytes && (kDQWidth % 64 == 0 || kQueryRows)),
                   "dQ in the stage: a box per Q or dO panel, a consumer's share whole panels (query rows: "
                   "read by both consumers' dKᵀ and dVᵀ first)");
@@ -464,19 +458,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     auto sLSE = [&](int stage) { return sStats0 + stage * Tr::kStatsBytes; };
     auto sD = [&](int stage) { return sLSE(stage) + kBlockM * 4; };
     uint32_t const bars = sStats0 + kStages * Tr::kStatsBytes;
-    constexpr int kDQTiles = Tr::kDQTiles, kStageBars = 1 + 2 * kDQTiles;
-    uint32_t const bar_kv = bars;
-    // Step t's tile of its own: t % kDQTiles, in phase t / kDQTiles.
-    auto dq_full = [&](int t) { return bars + 8 * (1 + t % kDQTiles); };
-    auto dq_empty = [&](int t) { return bars + 8 * (1 + kDQTiles + t % kDQTiles); };
-    auto full = [&](int stage) { return bars + 8 * (kStageBars + stage); };
-    auto empty = [&](int stage) { return bars + 8 * (kStageBars + kStages + stage); };
-    auto dq_full_at = [&](int stage) { return bars + 8 * (kStageBars + 2 * kStages + stage); };  // dQ in the stage
-    // Step t's dQ tile: one of its own, or (kDQInStage) box b in Q (b even) or dO (b odd) panel b / 2
-    // of the step's stage.
-    auto dq_box = [&](int t, int box) {
-        return (Tr::kDQInStage ? sQ(t % kStages) : sdQ + (t % kDQTiles) * Tr::kDQTileBytes) + Tr::dq_box_offset(box);
-    };
+    uint32_t const bar_kv = bars, dq_full = bars + 8, dq_empty = bars + 16;
+    auto full = [&](int stage) { return bars + 8 * (3 + stage); };
+    auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
+    auto dq_full_at = [&](int stage) { return bars + 8 * (3 + 2 * kStages + stage); };  // dQ in the stage
+    // The step's dQ tile: a tile of its own, or (kDQInStage) box b in Q (b even) or dO (b odd) panel b / 2.
+    auto dq_box = [&](int stage, int box) { return (Tr::kDQInStage ? sQ(stage) : sdQ) + Tr::dq_box_offset(box); };
 
     int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warpgroup = warp / 4;
     int* const semaphores = reinterpret_cast<int*>(params.semaphore_ptr);  // deterministic mode
@@ -523,10 +510,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         bwd_timeline_stamp(kCtaStart, steps);
         mbar_init(bar_kv, 1);
         if constexpr (!Tr::kDQInStage) {
-            for (int tile = 0; tile < kDQTiles; ++tile) {
-                mbar_init(dq_full(tile), Tr::kConsumerThreads);
-                mbar_init(dq_empty(tile), 1);  // the dQ thread, once its reductions have read the tile
-            }
+            mbar_init(dq_full, Tr::kConsumerThreads);
+            mbar_init(dq_empty, 1);  // the dQ thread, once its reductions have read the tile
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
@@ -630,13 +615,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 }
                 int const stage = t % kStages;
                 if constexpr (Tr::kDQInStage) mbar_wait(dq_full_at(stage), (t / kStages) & 1);
-                else mbar_wait(dq_full(t), (t / kDQTiles) & 1);
+                else mbar_wait(dq_full, t & 1);
                 if (varlen_q && q0 + kBlockM > seqlen_q) {
                     // Whole 128-byte rows of each 32-column box (the swizzle only permutes chunks within a row).
                     int const first_past = max(seqlen_q - q0, 0);
                     for (int chunk = first_past * 8 + lane; chunk < kBlockM * 8; chunk += 32) {
 #pragma unroll
-                        for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(dq_box(t, box) + chunk * 16);
+                        for (int box = 0; box < kHeadDim / 32; ++box) st_shared_zero16(dq_box(stage, box) + chunk * 16);
                     }
                     fence_proxy_async();  // visible to the TMA (async proxy)
                     __syncwarp();
@@ -646,12 +631,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     // (A measurement variant, tune_bwd_sm90.py, leaves the reductions out: wrong dQ.)
 #pragma unroll
                     for (int box = 0; box < kHeadDim / 32; ++box) {
-                        tma_reduce_add_4d(&args.tma_dq, dq_box(t, box), box * 32, q_offset + q0, bidh, q_batch);
+                        tma_reduce_add_4d(&args.tma_dq, dq_box(stage, box), box * 32, q_offset + q0, bidh, q_batch);
                     }
 #endif
                     bulk_commit();
                     bulk_wait_read();
-                    mbar_arrive(Tr::kDQInStage ? empty(stage) : dq_empty(t));
+                    mbar_arrive(Tr::kDQInStage ? empty(stage) : dq_empty);
                     if (semaphore != nullptr) {
 #if !(defined(FLASHGEN_BWD_SM90_MEASURE_NO_DQ_DRAIN) && FLASHGEN_BWD_SM90_MEASURE_NO_DQ_DRAIN)
                         bulk_wait_all();  // the additions are done, not just read from the tile
@@ -907,7 +892,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         // releases it). Element (row, col): box col / 32, 16-byte chunk (col % 32) / 4 XOR row % 8
         // (= lane / 4 here).
         auto store_dq = [&](const DQShare& acc_dq, bool narrow) {
-            if (!Tr::kDQInStage && t >= kDQTiles) mbar_wait(dq_empty(t), (t / kDQTiles - 1) & 1);
+            if (!Tr::kDQInStage && t > 0) mbar_wait(dq_empty, (t - 1) & 1);
             int const dq_row = dq_q0 + (warp % 4) * 16 + lane / 4;
             // One per-lane base: its bits 4-6 are the lane's swizzled chunk (every other term is a
             // multiple of 128), so n8 tile i's chunk, 2 (i % 4) XOR that, is the base XOR 32 (i % 4);
@@ -922,7 +907,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                     return Tr::dq_box_offset(k);
                 }
             };
-            uint32_t dq_lane = dq_box(t, dq_first_box) + dq_row * 128 +
+            uint32_t dq_lane = dq_box(stage, dq_first_box) + dq_row * 128 +
                                ((((lane % 4) / 2) ^ (lane / 4)) * 16) + (lane % 2) * 8;
             // A 64-bit store goes out a half-warp (4 rows) at a time, and rows r and r ^ 1 of the
             // swizzle put a tile's chunks in the same banks: two wavefronts where one would do. Odd
@@ -940,7 +925,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                     dq_value(i, 2 * half), dq_value(i, 2 * half + 1));
                 }
             fence_proxy_async();  // visible to the TMA (async proxy)
-            mbar_arrive(Tr::kDQInStage ? dq_full_at(stage) : dq_full(t));
+            mbar_arrive(Tr::kDQInStage ? dq_full_at(stage) : dq_full);
         };
         // Split columns and query rows run the dQ phase, dq_tail(narrow), from one of two calls: an
         // uneven split's consumer 1 gets code of its own that touches its share's registers only
