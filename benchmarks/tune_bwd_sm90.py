@@ -36,6 +36,10 @@ _DEFAULT_TILES = {"tile": dict(tiles._BWD_SM90), "fwdtile": dict(tiles._FWD_SM90
 _TABLES = {"tile": tiles._BWD_SM90, "fwdtile": tiles._FWD_SM90}
 
 
+def _parse(kind: type, value: str):
+    return value.lower() in ("1", "true") if kind is bool else kind(value)
+
+
 def use_variant(variant: str) -> dict:
     """Puts the variant's compile-time parts in force; returns its Tuning changes."""
     items = [] if variant == "default" else variant.split("+")
@@ -43,8 +47,7 @@ def use_variant(variant: str) -> dict:
     for item in items:
         if item.startswith("tuning."):
             field, value = item[len("tuning."):].split("=")
-            kind = type(getattr(tuning.DEFAULT, field))
-            changes[field] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
+            changes[field] = _parse(type(getattr(tuning.DEFAULT, field)), value)
     items = [item for item in items if not item.startswith("tuning.")]
     options = [item[len("opt:"):] if item.startswith("opt:") else f"-D{item}"
                for item in items if not item.startswith(("tile.", "fwdtile."))]
@@ -56,9 +59,8 @@ def use_variant(variant: str) -> dict:
             name, head_dim, assignment = item.split(".", 2)
             field, value = assignment.split("=")
             table, head_dim = _TABLES[name], int(head_dim)
-            kind = type(getattr(table[head_dim], field))
             table[head_dim] = dataclasses.replace(
-                table[head_dim], **{field: (value.lower() in ("1", "true")) if kind is bool else kind(value)})
+                table[head_dim], **{field: _parse(type(getattr(table[head_dim], field)), value)})
     if options:
         os.environ["FLASHGEN_NVRTC_EXTRA_OPTIONS"] = " ".join(options)
     else:
