@@ -11,8 +11,10 @@ or tile.D.FIELD=VALUE, which replaces a field of the sm90 backward tile of insta
 fwdtile.D.FIELD=VALUE, the same for the sm90 forward's tile (tiles._FWD_SM90; e.g.
 fwdtile.256.block_n=80; the wgmma header then carries every variant's widths, default's too), or
 opt:OPTION, an NVRTC option as is (e.g. opt:--Ofast-compile=max), or tuning.FIELD=VALUE, a knob of
-runtime/tuning.py's Tuning for the variant's calls (e.g. tuning.bwd_causal_chunk_waves=0); the
-loaded-kernel memo and the plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
+runtime/tuning.py's Tuning for the variant's calls (e.g. tuning.bwd_causal_chunk_waves=0), or
+det=0 / det=1, the backward without or with deterministic=True whatever --deterministic says (a
+deterministic variant beside the plain backward in one process); the loaded-kernel memo and the
+plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
 forward, medians. --graph times CUDA-graph replays of the backward's three kernels or the forward (no host path:
 the 1k-token shapes' eager times vary with it from call to call), the variants in turn for each
@@ -40,9 +42,17 @@ def _parse(kind: type, value: str):
     return value.lower() in ("1", "true") if kind is bool else kind(value)
 
 
+def variant_deterministic(variant: str, default: bool) -> bool:
+    """The variant's det=0 / det=1 item, else ``default``."""
+    for item in variant.split("+"):
+        if item.startswith("det="):
+            return _parse(bool, item[len("det="):])
+    return default
+
+
 def use_variant(variant: str) -> dict:
     """Puts the variant's compile-time parts in force; returns its Tuning changes."""
-    items = [] if variant == "default" else variant.split("+")
+    items = [] if variant == "default" else [item for item in variant.split("+") if not item.startswith("det=")]
     changes = {}
     for item in items:
         if item.startswith("tuning."):
@@ -151,8 +161,11 @@ def main() -> None:
             shift = round_index % len(args.variants)  # each round starts at another variant
             for shape, (q, k, v, dout, flops) in inputs.items():
                 for variant in args.variants[shift:] + args.variants[:shift]:
-                    ms = graph_ms(q, k, v, dout, shape[2], args.deterministic, use_variant(variant), args.direction)
+                    ms = graph_ms(q, k, v, dout, shape[2], variant_deterministic(variant, args.deterministic),
+                                  use_variant(variant), args.direction)
                     results.setdefault((variant, shape), []).append(flops / ms / 1e9)
+                    print(f"  round {round_index} {variant} d{shape[0]} s{shape[1]}{' causal' if shape[2] else ''}: "
+                          f"{flops / ms / 1e9:.1f}", flush=True)  # a run cut short still leaves its numbers
     for _ in range(0 if args.graph else args.rounds):
         for variant in args.variants:
             changes = use_variant(variant)
@@ -163,7 +176,8 @@ def main() -> None:
                                       warmup=30, rep=150, return_mode="median")
                 else:
                     with tuning.use(**changes):  # its backward plans with its forward's tuning
-                        out = flashgen.flash_attn_func(q, k, v, causal=shape[2], deterministic=args.deterministic)
+                        out = flashgen.flash_attn_func(q, k, v, causal=shape[2],
+                                                       deterministic=variant_deterministic(variant, args.deterministic))
                     ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                   warmup=30, rep=150, return_mode="median")
                 results.setdefault((variant, shape), []).append(flops / ms / 1e9)
