@@ -3,7 +3,9 @@
     ncu --clock-control none -k regex:flash_bwd_sm90 -s 1 -c 1 --set full -o bwd \
         python benchmarks/profile_bwd_once.py --impl flashgen --head-dim 128 --seqlen 4096
 
---impl fa4 runs FlashAttention-4 (flash_attn.cute); bf16, 16k tokens, hidden 2048.
+--impl fa4 runs FlashAttention-4 (flash_attn.cute); bf16, 16k tokens, hidden 2048. --profile-range
+brackets the second backward with the CUDA profiler's start and stop, so that
+`ncu --profile-from-start off` profiles exactly its kernels, whatever an implementation names them.
 """
 import argparse
 
@@ -16,6 +18,7 @@ parser.add_argument("--seqlen", type=int, default=4096)
 parser.add_argument("--gqa", type=int, default=1)
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--deterministic", action="store_true")
+parser.add_argument("--profile-range", action="store_true", help="profile only the second backward's kernels")
 args = parser.parse_args()
 batch, nheads = 16384 // args.seqlen, 2048 // args.head_dim
 q = torch.randn(batch, args.seqlen, nheads, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -30,6 +33,11 @@ else:
 
     out = flashgen.flash_attn_func(q, k, v, causal=args.causal, deterministic=args.deterministic)
 dout = torch.randn_like(out)
-for _ in range(2):
-    torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 torch.cuda.synchronize()
+if args.profile_range:
+    torch.cuda.profiler.start()
+torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+torch.cuda.synchronize()
+if args.profile_range:
+    torch.cuda.profiler.stop()
