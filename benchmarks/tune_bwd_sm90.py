@@ -16,7 +16,8 @@ det=0 / det=1, the backward without or with deterministic=True whatever --determ
 deterministic variant beside the plain backward in one process); the loaded-kernel memo and the
 plan cache are cleared between variants. bf16, 16k tokens, hidden 2048;
 TFLOP/s of the backward alone (2.5 x the forward's 4·b·h·s²·d, halved when causal) or of the
-forward, medians. --graph times CUDA-graph replays of the backward's three kernels or the forward (no host path:
+forward, medians. --jobs N compiles every variant's instances N at a time first. --graph times
+CUDA-graph replays of the backward's three kernels or the forward (no host path:
 the 1k-token shapes' eager times vary with it from call to call), the variants in turn for each
 shape after the same warm-up, each round starting at the next variant (the clock drifts with the
 load, and the first variant after a change of shape measured up to 5% off).
@@ -93,6 +94,27 @@ def render_every_width(variants: list[str]) -> None:
     wgmma.N_TILES = tuple(sorted(widths))
 
 
+def prebuild(variants: list[str], shapes, direction: str, jobs: int) -> None:
+    """Compiles the sm90 instances that the shapes run (bf16, not packed), for every variant, jobs
+    at a time, before any timing: the timing loop would compile each on first use, one at a time.
+    Best effort: an instance it misses compiles when first used."""
+    from flashgen.generator import matrix
+    from flashgen.runtime.dispatch import sm90_bwd_instance_head_dim
+
+    uris = set()
+    for head_dim, _, causal in shapes:
+        mask = "_causal" if causal else ""
+        uris.add(f"flash_fwd_sm90_hdim{head_dim}_bf16{mask}_sm90a")
+        if direction == "bwd":
+            uris.add(f"flash_bwd_sm90_hdim{sm90_bwd_instance_head_dim(head_dim)}_bf16{mask}_sm90a")
+    specs = [spec for spec in matrix.all_specs(archs=["sm_90a"]) if spec.uri in uris]
+    for variant in variants:
+        use_variant(variant)  # its defines and tiles, which the rendering and the options read
+        failed = [result.spec.uri for result in cache.build(specs, jobs) if result.error is not None]
+        print(f"prebuilt {variant}: {len(specs) - len(failed)} of {len(specs)} instances"
+              + (f", failed: {failed}" if failed else ""), flush=True)
+
+
 def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", replays=20, warm_ms=150.0) -> float:
     """Median ms of one backward (its three kernels) or forward replayed from a CUDA graph, planned
     with the variant's tuning changes."""
@@ -143,6 +165,8 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
     parser.add_argument("--graph", action="store_true", help="kernels only, from CUDA-graph replays")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="compile every variant's instances this many at a time before timing (0: on first use)")
     args = parser.parse_args()
     shapes = list(itertools.product((int(d) for d in args.head_dims.split(",")),
                                     (int(s) for s in args.seqlens.split(",")), (False, True)))
@@ -155,6 +179,8 @@ def main() -> None:
         flops = (2.5 if args.direction == "bwd" else 1.0) * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
         inputs[(head_dim, seqlen, causal)] = (q, k, v, torch.randn_like(q), flops)
     render_every_width(args.variants)
+    if args.jobs:
+        prebuild(args.variants, list(inputs), args.direction, args.jobs)
     results = {}
     if args.graph:
         for round_index in range(args.rounds):
