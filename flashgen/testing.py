@@ -21,7 +21,9 @@ __all__ = [
     "assert_close_fa_rule",
     "assert_lse_close",
     "attention_flops",
+    "philox4x32",
     "philox4x32_10",
+    "DROPOUT_PHILOX_ROUNDS",
     "dropout_keep_mask",
 ]
 
@@ -276,18 +278,27 @@ def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (high >> 16) + (t >> 32), t & _MASK32
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 (Random123) on tensors: counter a 4-tuple and key a 2-tuple of int64 tensors
-    (or ints) holding uint32 values; returns the 4 output words as int64 tensors."""
+# Rounds of the dropout mask's Philox: kPhiloxRounds in templates/common.cuh (why seven: there).
+DROPOUT_PHILOX_ROUNDS = 7
+
+
+def philox4x32(counter, key, rounds: int):
+    """Philox4x32 with ``rounds`` rounds (Random123) on tensors: counter a 4-tuple and key a 2-tuple
+    of int64 tensors (or ints) holding uint32 values; returns the 4 output words as int64 tensors."""
     c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
     k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
-    for _ in range(10):
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo32(0xD2511F53, c0)
         hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = (k0 + 0x9E3779B9) & _MASK32
         k1 = (k1 + 0xBB67AE85) & _MASK32
     return c0, c1, c2, c3
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10, Random123's default round count (philox4x32 with rounds=10)."""
+    return philox4x32(counter, key, 10)
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nheads: int, seqlen_q: int,
@@ -305,9 +316,10 @@ def dropout_keep_mask(rng_state: torch.Tensor, dropout_p: float, batch: int, nhe
     i = torch.arange(seqlen_q, device=device).view(1, 1, -1, 1)
     # One Philox block per (query, 64-key group g, quad lane q): counter word 0 is 4 g + q.
     block = torch.arange(4 * -(-seqlen_k // 64), device=device).view(1, 1, 1, -1)
-    words = philox4x32_10(
+    words = philox4x32(
         (block, i, (b * nheads + h) & _MASK32, offset & _MASK32),
         ((seed & _MASK32) ^ (((offset >> 32) * _PHILOX_W0) & _MASK32), ((seed >> 32) & _MASK32) ^ _DROPOUT_DOMAIN),
+        DROPOUT_PHILOX_ROUNDS,
     )
     shape = torch.broadcast_shapes(b.shape, h.shape, i.shape, block.shape)
     words = torch.stack([w.expand(shape) for w in words], dim=-1)           # (..., 4 g + q, word c)

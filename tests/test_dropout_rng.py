@@ -1,15 +1,22 @@
 """CPU tier: the dropout RNG's reference implementation (flashgen.testing), which the GPU tests
-hold the kernels to: Philox4x32-10 against Random123's known-answer vectors, and the mask's
-statistics and reproducibility."""
+hold the kernels to: Philox4x32 with 7 and 10 rounds against Random123's known-answer vectors, the
+round count the kernels use, and the mask's statistics and reproducibility."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flashgen.runtime.dropout import DropoutState
-from flashgen.testing import dropout_keep_mask, philox4x32_10
+from flashgen.testing import DROPOUT_PHILOX_ROUNDS, dropout_keep_mask, philox4x32, philox4x32_10
 
-# Random123's kat_vectors for philox4x32_10: (counter, key, output).
+# Random123's kat_vectors for philox4x32 with 7 rounds: (counter, key, output).
+KAT_7 = [
+    ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+]
+# and with 10 rounds.
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
@@ -21,6 +28,21 @@ KAT = [
 @pytest.mark.parametrize("counter,key,expected", KAT)
 def test_philox_known_answers(counter, key, expected):
     assert tuple(int(w) for w in philox4x32_10(counter, key)) == expected
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT_7)
+def test_philox_7_rounds_known_answers(counter, key, expected):
+    assert tuple(int(w) for w in philox4x32(counter, key, 7)) == expected
+
+
+def test_kernels_and_reference_draw_the_same_rounds():
+    from pathlib import Path
+    import re
+
+    import flashgen
+
+    common = (Path(flashgen.__file__).parent / "templates" / "common.cuh").read_text()
+    assert int(re.search(r"constexpr int kPhiloxRounds = (\d+);", common).group(1)) == DROPOUT_PHILOX_ROUNDS
 
 
 def test_philox_vectorized_matches_scalar():
@@ -61,7 +83,7 @@ def test_dropout_mask_element_mapping():
     key = ((seed & 0xFFFFFFFF) ^ (((offset >> 32) * 0x9E3779B9) & 0xFFFFFFFF), ((seed >> 32) & 0xFFFFFFFF) ^ 0x666C6773)
     for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 149), (0, 1, 3, 77), (1, 0, 2, 130), (0, 2, 1, 63), (1, 1, 0, 64)]:
         g, c, n, q, e = j // 64, j % 64 // 16, j % 16 // 8, j % 8 // 2, j % 2
-        words = philox4x32_10((4 * g + q, i, b * nheads + h, offset & 0xFFFFFFFF), key)
+        words = philox4x32((4 * g + q, i, b * nheads + h, offset & 0xFFFFFFFF), key, DROPOUT_PHILOX_ROUNDS)
         byte = (int(words[c]) >> (8 * (2 * n + e))) & 0xFF
         assert bool(mask[b, h, i, j]) == (byte < 128), (b, h, i, j)
 

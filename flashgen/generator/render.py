@@ -60,7 +60,7 @@ def render_instance(spec: KernelSpec) -> str:
             post=_cpp_bool(spec.direction == "bwd_post"),
         )
     if spec.direction == "bwd":
-        tile = bwd_tile(spec.family, spec.arch, spec.head_dim)
+        tile = bwd_tile(spec.family, spec.arch, spec.head_dim, spec.dropout)
     else:
         tile = fwd_tile(spec.family, spec.arch, spec.head_dim, spec.mask, spec.decode, spec.dropout, spec.paged)
     # What every attention instance (forward of either family, backward) takes from its spec and tile.

@@ -238,9 +238,14 @@ class Sm90BwdTile(_Sm90Warpgroups):
     stages: int = 2  # Q/dO blocks in flight
     producer_registers: int = 24
     num_warps: int = 12
+    # Dropout at block_n 128: producer warps draw each step's keep bits into the stage (kKeepBits in
+    # bwd_sm90.cuh), a 32-bit word per consumer thread per 64 queries.
+    keep_bits: bool = False
 
     def __post_init__(self) -> None:
         self._check_registers()
+        if self.keep_bits and self.block_n != 128:
+            raise ValueError(f"{self}: keep bits are laid out for 64 keys per consumer (block_n 128)")
         if self.block_n not in (64, 96, 128) or self.block_m not in (64, 128):
             raise ValueError(f"{self}: the consumers own 64 keys each (block_n 128), share 64 (block_n 64) or "
                              "own 48 in the queries' domain (block_n 96); dQ = dS·K splits 64 or 128 queries over them")
@@ -306,14 +311,15 @@ class Sm90BwdTile(_Sm90Warpgroups):
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, K, V, per stage Q and dO, two dSᵀ (and, split columns and
         query rows, two Pᵀ) buffers, the fp32 dQ tile unless in the stage, per stage the LSE and D
-        rows, 3 + 2 * stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
+        rows (and keep bits), 3 + 2 * stages mbarriers (dQ in the stage: 3 + 3 * stages)."""
         panels = head_dim // 64
+        keep_bits = self.block_m // 64 * 256 * 4 if self.keep_bits else 0
         transposed_buffers = 4 if self.split_columns or self.query_rows else 2
         dq_tile = 0 if self.dq_in_stage else self.block_m * head_dim * 4
         barriers = 3 + (3 if self.dq_in_stage else 2) * self.stages
         return (1024 + panels * 128 * (2 * self.block_n + 2 * self.stages * self.block_m)
                 + transposed_buffers * self.block_n * self.block_m * ELEMENT_BYTES + dq_tile
-                + 2 * self.stages * self.block_m * 4 + 8 * barriers)
+                + self.stages * (2 * self.block_m * 4 + keep_bits) + 8 * barriers)
 
 
 # (head_dim) -> sm90 backward tile. At d64 128-query steps (Sᵀ and dPᵀ 64 registers each, dK and
@@ -446,11 +452,16 @@ BWD_MAX_STAGES = 2
 BULK_REDUCTION_ARCHS = ("sm_90", "sm_90a")
 
 
-def bwd_tile(family: str, arch: str, head_dim: int) -> BwdTile | Sm90BwdTile:
+def bwd_tile(family: str, arch: str, head_dim: int, dropout: bool = False) -> BwdTile | Sm90BwdTile:
     if family == "sm90":
         if head_dim not in _BWD_SM90:
             raise ValueError(f"the sm90 family has no backward tile for head_dim {head_dim}")
         tile = _BWD_SM90[head_dim]
+        if dropout and tile.block_n == 128:
+            # Drawn in the consumers, each Philox block was drawn by four warps (one word each).
+            # The drawing warps' registers: 40 leave the consumers 232, as 32 would.
+            # The drawing warps' registers: 32 leave the consumers 232.
+            tile = dataclasses.replace(tile, keep_bits=True, producer_registers=32)
         assert tile.smem_bytes(head_dim) <= smem_limit(arch), (arch, head_dim, tile)
         return tile
     if family != "sm80":

@@ -455,7 +455,7 @@ def plan_bwd(
     mask, window_left, window_right = resolve_mask(causal, window_size, seqlen_q, seqlen_k)
     sm90_head_dim = sm90_bwd_instance_head_dim(head_dim) if allow_sm90 else None
     if sm90_head_dim is not None:
-        tile = bwd_tile("sm90", arch, sm90_head_dim)
+        tile = bwd_tile("sm90", arch, sm90_head_dim, dropout)
         spec = KernelSpec("bwd", "sm90", arch, dtype, sm90_head_dim, mask, softcap > 0, dropout=dropout)
         descending = deterministic and mask == "causal" and (nheads or nheads_k) == nheads_k
         key_blocks = max(1, -(-seqlen_k // tile.block_n))

@@ -168,6 +168,16 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kDQWidth1 = kSplitColumns ? kHeadDim - kDQWidth : kDQWidth;
     static constexpr bool kUnevenSplit = kDQWidth1 != kDQWidth;
     static constexpr int kStatsBytes = 2 * kBlockM * 4;  // LSE and D rows, one stage
+    // Dropout at kBlockN 128 (kKeepBits): the step's keep decisions as bits that producer warps 1
+    // and 3 draw into the stage, kKeepWords words per consumer thread (word j: its n8 tiles
+    // 8 j .. 8 j + 7), since a Philox block's four words belong to four consumer warps (the
+    // warps' 16-key chunks): drawn in the consumers, each block was drawn four times. Word j of
+    // consumer thread c lies at (j * 256 + c) * 4; tile i's element e (key + 8 n, n = e / 2;
+    // query + e % 2) is bit 8 (2 h + n) + 2 (i % 4) + e % 2 of it, h = (i % 8) / 4.
+    static constexpr bool kKeepBits = kDropout && kBlockN == 128;
+    static constexpr int kKeepWords = kKeepBits ? kBlockM / 64 : 0;
+    static constexpr int kKeepBytes = kKeepWords * Sm90Warpgroups<kProducerRegs_, kConsumerRegs_>::kConsumerThreads * 4;
+    static constexpr int kKeepWarps = kKeepBits ? 2 : 0;  // producer warps 1 and 3
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
     // for 256 bytes), added to the dQ buffer by TMA reductions, one per box. Split columns leave no
@@ -194,7 +204,7 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kBarriers = 3 + (kDQInStage ? 3 : 2) * kStages;
     // The instance checks it against the host's request (Sm90BwdTile.smem_bytes).
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * (kDSBytes + kPBytes) +
-                                      kDQBytes + kStages * kStatsBytes + 8 * kBarriers;
+                                      kDQBytes + kStages * (kStatsBytes + kKeepBytes) + 8 * kBarriers;
     static_assert(kBlockN == 128 || kBlockN == 64 || kBlockN == 96, "two consumers of 64 keys each, sharing 64, or 48 each");
     static_assert(kHeadDim % 64 == 0 && (kQueryRows || (kDKVWidth % 64 == 0 && kDKVWidth1 % 64 == 0)) &&
                       kDKVRegs <= 72,
@@ -214,6 +224,14 @@ __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
 }
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_u16(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(static_cast<unsigned short>(v)) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
 }
 __device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
@@ -281,7 +299,45 @@ struct Sm90BwdStep {
     float slope;         // ALiBi slope (scaled), if kAlibi
     uint32_t bh;         // dropout: batch * nheads + query head
     int key_group;       // dropout: the 64-key group of this thread's keys
+    uint32_t keep;       // dropout with kKeepBits: shared address of this thread's keep word 0
 };
+
+// Producer warps 1 and 3 under kKeepBits: the step's keep bits (Sm90BwdTraits' layout). Worker w
+// (0 .. 63) is (consumer w / 32, quad lane q = (w / 8) % 4, query pair r = (w / 2) % 4, half
+// h = w % 2): for each word j it draws the blocks of queries q0 + 8 i + 2 r (+ 1) of tiles
+// i = 8 j + 4 h .. + 3 in the consumer's 64-key group for quad lane q, eight blocks whose words
+// c hold the keep bytes of consumer warp c's lanes 8 q + 4 e + r (e = 0, 1), and stores each of
+// those eight lanes' half h of word j.
+template <typename Tr>
+__device__ __forceinline__ void draw_keep_bits(uint32_t keep, const Dropout& dropout, uint32_t bh, int q0, int key0,
+                                               int worker) {
+    Dropout::KeepBytes const bytes = dropout.keep_bytes();
+    int const consumer = worker / 32, quad = (worker / 8) % 4, pair = (worker / 2) % 4, half = worker % 2;
+    int const group = key0 / 64 + consumer;
+#pragma unroll 1
+    for (int j = 0; j < Tr::kKeepWords; ++j) {
+        // chunk[c]: byte 2 n + e of its words' bits, bit b for block b (tile 8 j + 4 h + b / 2, query b % 2).
+        uint32_t chunk[4] = {0u, 0u, 0u, 0u};
+#pragma unroll 2
+        for (int b = 0; b < 8; ++b) {
+            int const i = 8 * j + 4 * half + b / 2;
+            uint4 const words = dropout.block(bh, q0 + 8 * i + 2 * pair + b % 2, group, quad);
+            chunk[0] |= Dropout::kept_bits(words.x, bytes) << b;
+            chunk[1] |= Dropout::kept_bits(words.y, bytes) << b;
+            chunk[2] |= Dropout::kept_bits(words.z, bytes) << b;
+            chunk[3] |= Dropout::kept_bits(words.w, bytes) << b;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int const thread = consumer * 128 + c * 32 + 8 * quad + 4 * e + pair;
+                // Its bytes 2 h (n = 0) and 2 h + 1 (n = 1): chunk bytes e and 2 + e.
+                st_shared_u16(keep + (j * Tr::kConsumerThreads + thread) * 4 + 2 * half,
+                              __byte_perm(chunk[c], 0u, uint32_t(e | ((2 + e) << 4))));
+            }
+    }
+}
 
 // Sᵀ -> Pᵀ and dPᵀ -> dSᵀ in place, for one consumer's 64 keys x kSQueries queries (accumulator
 // layout: element i * 4 + e is key `key + 8 (e / 2)`, query `query + 8 i + e % 2`). dSᵀ is in
@@ -293,13 +349,17 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSRegs], fl
                                                       const Dropout& dropout) {
     int const lane = threadIdx.x % 32;
     int const chunk_in_group = (threadIdx.x / 32) % 4;  // the warp's 16 keys within the consumer's 64
+    uint32_t keep_bits = 0;  // kKeepBits: word i / 8
 #pragma unroll
     for (int i = 0; i < Tr::kSQueries / 8; ++i) {
         float2 const lse2 = ld_shared_f32x2(a.lse + (i * 8 + 2 * (lane % 4)) * 4);
         float2 const dsum2 = ld_shared_f32x2(a.dsum + (i * 8 + 2 * (lane % 4)) * 4);
-        // Dropout: the Philox words of the n8 tile's two query columns for this thread's chunk.
+        // Dropout: the producer's keep bits (kKeepBits), or the Philox words of the n8 tile's two
+        // query columns for this thread's chunk.
         uint32_t word0 = 0, word1 = 0;
-        if constexpr (Tr::kDropout) {
+        if constexpr (Tr::kKeepBits) {
+            if (i % 8 == 0) keep_bits = ld_shared_u32(a.keep + (i / 8) * Tr::kConsumerThreads * 4);
+        } else if constexpr (Tr::kDropout) {
             int const mine = (lane / 4) % 2;  // the column this lane draws; lane ^ 4 draws the other
             uint32_t const w = Dropout::word(dropout.block(a.bh, a.query + i * 8 + mine, a.key_group, lane / 8),
                                              chunk_in_group);
@@ -324,7 +384,9 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSRegs], fl
             if constexpr (Tr::kDropout) {
                 // O used P∘Z / (1 - p): dV takes that, and dP is masked and scaled the same way
                 // before the softmax's backward (key + 8 (e / 2) is byte 2 (e / 2) + (lane / 4) % 2).
-                bool const kept = dropout.keep(e % 2 ? word1 : word0, 2 * (e / 2) + (lane / 4) % 2);
+                bool const kept =
+                    Tr::kKeepBits ? (keep_bits >> (8 * (2 * ((i % 8) / 4) + e / 2) + 2 * (i % 4) + e % 2)) & 1u
+                                  : dropout.keep(e % 2 ? word1 : word0, 2 * (e / 2) + (lane / 4) % 2);
                 ds = p * ((kept ? dp[i * 4 + e] * params.rp_dropout : 0.f) - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
                 p = kept ? p * params.rp_dropout : 0.f;
             } else {
@@ -457,7 +519,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     auto sdO = [&](int stage) { return sdO0 + stage * Tr::kQBytes; };
     auto sLSE = [&](int stage) { return sStats0 + stage * Tr::kStatsBytes; };
     auto sD = [&](int stage) { return sLSE(stage) + kBlockM * 4; };
-    uint32_t const bars = sStats0 + kStages * Tr::kStatsBytes;
+    uint32_t const sKeep0 = sStats0 + kStages * Tr::kStatsBytes;  // dropout keep bits (kKeepBits)
+    auto sKeep = [&](int stage) { return sKeep0 + stage * Tr::kKeepBytes; };
+    uint32_t const bars = sKeep0 + kStages * Tr::kKeepBytes;
     uint32_t const bar_kv = bars, dq_full = bars + 8, dq_empty = bars + 16;
     auto full = [&](int stage) { return bars + 8 * (3 + stage); };
     auto empty = [&](int stage) { return bars + 8 * (3 + kStages + stage); };
@@ -515,7 +579,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1 + 32);  // the TMA thread's arrival with its bytes, warp 1's 32 lanes
+            // The TMA thread's arrival with its bytes, warp 1's 32 lanes (and warp 3's: keep bits).
+            mbar_init(full(s), 1 + 32 * (Tr::kKeepBits ? 2 : 1));
             // The consumers, or (dQ in the stage) the dQ thread once its reductions have read it.
             mbar_init(empty(s), Tr::kDQInStage ? 1 : Tr::kConsumerThreads);
             if constexpr (Tr::kDQInStage) mbar_init(dq_full_at(s), Tr::kConsumerThreads);
@@ -550,10 +615,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                                 q_batch);
                 }
             }
-        } else if (warp == 1) {
-            // The step's LSE in log2 units (the preprocess's: +inf for rows that saw no key, so P = 0
-            // there) and D; +inf and 0 for rows past seqlen_q (their Q and dO are the TMA's zeros, or
-            // under varlen zeroed by clear_rows).
+        } else if (warp == 1 || (Tr::kKeepBits && warp == 3)) {
+            // Warp 1: the step's LSE in log2 units (the preprocess's: +inf for rows that saw no key,
+            // so P = 0 there) and D; +inf and 0 for rows past seqlen_q (their Q and dO are the TMA's
+            // zeros, or under varlen zeroed by clear_rows). Warps 1 and 3 under kKeepBits: the
+            // step's dropout keep bits.
             const float* lse_log2_rows = reinterpret_cast<const float*>(params.lse_log2_ptr);
             const float* dsum = reinterpret_cast<const float*>(params.dsum_ptr);
             BwdStep step_at = first_step();
@@ -562,16 +628,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 if (t >= kStages) mbar_wait(empty(stage), ((t / kStages) & 1) ^ 1);
                 int const bidh = bidh_kv * qhpk + step_at.head, q0 = step_at.m_block * kBlockM;
                 step_at.advance(qhpk, m_step);
-                int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
+                if (warp == 1) {
+                    int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
 #pragma unroll
-                for (int r = lane; r < kBlockM; r += 32) {
-                    float lse_log2 = kInfinity, d = 0.f;
-                    if (q0 + r < seqlen_q) {
-                        lse_log2 = lse_log2_rows[row_stats + q0 + r];
-                        d = dsum[row_stats + q0 + r];
+                    for (int r = lane; r < kBlockM; r += 32) {
+                        float lse_log2 = kInfinity, d = 0.f;
+                        if (q0 + r < seqlen_q) {
+                            lse_log2 = lse_log2_rows[row_stats + q0 + r];
+                            d = dsum[row_stats + q0 + r];
+                        }
+                        st_shared_f32(sLSE(stage) + r * 4, lse_log2);
+                        st_shared_f32(sD(stage) + r * 4, d);
                     }
-                    st_shared_f32(sLSE(stage) + r * 4, lse_log2);
-                    st_shared_f32(sD(stage) + r * 4, d);
+                }
+                if constexpr (Tr::kKeepBits) {
+                    draw_keep_bits<Tr>(sKeep(stage), Dropout::from(params), uint32_t(bidb) * uint32_t(params.nheads) + uint32_t(bidh),
+                                       q0, key0, (warp == 1 ? 0 : 32) + lane);
                 }
                 mbar_arrive(full(stage));
             }
@@ -786,7 +858,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         if constexpr (Tr::kQueryRows) {
             int const row = (warp % 4) * 16 + lane / 4;  // this thread's first query of the step
             Sm90BwdStep const step{sLSE(stage) + row * 4, sD(stage) + row * 4, wg_key0 + 2 * (lane % 4), q0 + row,
-                                   diag, seqlen_k, slope(), bh(), 0};
+                                   diag, seqlen_k, slope(), bh(), 0, 0};
             if (need_mask) {
                 if (slopes != nullptr) softmax_backward_rows_sm90<Tr, true, true>(s, dp, step, params, dropout);
                 else softmax_backward_rows_sm90<Tr, true, false>(s, dp, step, params, dropout);
@@ -796,7 +868,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             }
         } else {
             Sm90BwdStep const step{sLSE(stage) + queries0 * 4, sD(stage) + queries0 * 4, key0 + key_in_block,
-                                   q0 + queries0 + 2 * (lane % 4), diag, seqlen_k, slope(), bh(), (key0 + keys0) / 64};
+                                   q0 + queries0 + 2 * (lane % 4), diag, seqlen_k, slope(), bh(), (key0 + keys0) / 64,
+                                   sKeep(stage) + (tid - (Tr::kNThreads - Tr::kConsumerThreads)) * 4};
             if (need_mask) {
                 if (slopes != nullptr) softmax_backward_sm90<Tr, true, true>(s, dp, step, params, dropout);
                 else softmax_backward_sm90<Tr, true, false>(s, dp, step, params, dropout);

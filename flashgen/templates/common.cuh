@@ -296,7 +296,7 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout: Philox4x32-10 (Salmon et al., SC'11), a counter-based RNG, so the backward regenerates
+// Dropout: Philox4x32 (Salmon et al., SC'11) with kPhiloxRounds rounds, a counter-based RNG, so the backward regenerates
 // the forward's mask from (seed, offset) and each element's coordinates alone, in any layout.
 // Element (query i, key j) of (batch b, query head h) keeps its probability iff byte 2 n + e of
 // word c of philox(counter = {4 g + q, i, b * nheads + h, offset_lo}, key = {seed_lo ^ offset_hi *
@@ -310,9 +310,15 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 // the same function in PyTorch, for the tests.
 constexpr uint32_t kDropoutDomain = 0x666c6773u;  // "flgs"
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
+// Seven rounds, as FlashAttention 2 and Composable Kernel draw their dropout masks (Random123
+// recommends ten for a safety margin; seven cost 0.7x the instructions, and the backward draws
+// every mask again). flashgen.testing.DROPOUT_PHILOX_ROUNDS is the same number.
+constexpr int kPhiloxRounds = 7;
+
+template <int kRounds>
+__device__ __forceinline__ uint4 philox4x32(uint4 c, uint32_t k0, uint32_t k1) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < kRounds; ++round) {
         uint32_t const hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
         uint32_t const hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
         c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
@@ -337,13 +343,32 @@ struct Dropout {
     // The 16 random bytes of (head bh = b * nheads + h, query, 64-key group, quad lane q): word c,
     // byte 2 n + e is key 64 group + 16 c + 8 n + 2 q + e.
     __device__ __forceinline__ uint4 block(uint32_t bh, int query, int group, int quad) const {
-        return philox4x32_10(make_uint4(uint32_t(4 * group + quad), uint32_t(query), bh, offset), key0, key1);
+        return philox4x32<kPhiloxRounds>(make_uint4(uint32_t(4 * group + quad), uint32_t(query), bh, offset), key0, key1);
     }
     __device__ __forceinline__ static uint32_t word(uint4 bytes, int c) {
         return c == 0 ? bytes.x : c == 1 ? bytes.y : c == 2 ? bytes.z : bytes.w;
     }
     __device__ __forceinline__ bool keep(uint32_t word, int byte) const {
         return ((word >> (8 * byte)) & 0xffu) < threshold;
+    }
+    // The four keep decisions of a word at once: bit 8 b of the result is byte b's (byte < threshold,
+    // i.e. byte <= threshold - 1, compared per byte without borrows between them). below:
+    // threshold - 1 in every byte; below_or_h: that OR 0x80808080; low_bits: 0x01010101, or 0 when
+    // the threshold is 0 (nothing kept).
+    struct KeepBytes {
+        uint32_t below, below_or_h, low_bits;
+    };
+    __device__ __forceinline__ KeepBytes keep_bytes() const {
+        uint32_t const below = threshold == 0 ? 0u : (min(threshold, 256u) - 1u) * 0x01010101u;
+        return {below, below | 0x80808080u, threshold == 0 ? 0u : 0x01010101u};
+    }
+    __device__ __forceinline__ static uint32_t kept_bits(uint32_t word, KeepBytes k) {
+        // Per byte, bit 7 of (below | 0x80) - (word & 0x7f) is (below & 0x7f) >= (word & 0x7f); with
+        // the high bits: below >= word iff below's is set and word's not, or they are equal and the
+        // low seven compare so.
+        uint32_t const low_ge = k.below_or_h - (word & 0x7f7f7f7fu);
+        uint32_t const ge = (k.below & ~word) | (~(k.below ^ word) & low_ge);
+        return (ge >> 7) & k.low_bits;
     }
     // One query row's keys as a thread of an m16n8 accumulator quad holds them (lane % 4 = q: keys
     // 16 c + 8 n + 2 q + e of each 16-key chunk c): drop(c, n, e) for each dropped one, over
