@@ -82,13 +82,6 @@ __device__ unsigned long long flashgen_bwd_timeline[FLASHGEN_BWD_TIMELINE_CTAS *
 #define FLASHGEN_BWD_SM90_ROWS_EARLY_DV 0
 #endif
 
-// 1: at 64 keys a consumer (kBlockN 128), a step leaves its dK wgmma in flight and the next step's
-// Sᵀ and dPᵀ queue behind it on the tensor cores, the stage released after their wait; 0: the step
-// waits for dK and releases its stage. A define for the A/B (benchmarks/tune_bwd_sm90.py).
-#ifndef FLASHGEN_BWD_SM90_DEFER_RELEASE
-#define FLASHGEN_BWD_SM90_DEFER_RELEASE 0
-#endif
-
 namespace flashgen {
 
 // Phases a timeline variant stamps (slot 7 holds the SM and the CTA's steps).
@@ -782,9 +775,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
     float acc_dk[kDKRegs], acc_dv[kDKRegs];
 #pragma unroll
     for (int i = 0; i < kDKRegs; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-    // FLASHGEN_BWD_SM90_DEFER_RELEASE: dK's A fragments outlive their step, until the next one's wait.
-    constexpr bool kDeferRelease = FLASHGEN_BWD_SM90_DEFER_RELEASE && !Tr::kSplitColumns && !Tr::kQueryRows;
-    uint32_t ds_frag_carried[kDeferRelease ? kSRegs / 8 : 1][4];
     // Varlen: rows of a block past its sequence's end are the next sequence's (or, past the last
     // one, whatever the tensor holds there). Masked P and dS are 0 by selection, but 0 times an inf
     // or NaN row is NaN, so the K and V rows past seqlen_k, and in a step's block the Q and dO rows
@@ -851,13 +841,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
         wgmma_wait<0>();
         fence_registers(s);
         fence_registers(dp);
-        if constexpr (kDeferRelease) {
-            if (t > 0) {  // the last step's dK is done too: its stage is free
-                fence_registers(acc_dk);
-                keep_fragments(ds_frag_carried);
-                mbar_arrive(empty((t - 1) % kStages));
-            }
-        }
 
         // Pᵀ and dSᵀ, instantiated per (mask needed, ALiBi): a block without either issues none of
         // their instructions. The mask: keys past seqlen_k, or a window edge crossing this
@@ -895,8 +878,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 else softmax_backward_sm90<Tr, false, false>(s, dp, step, params, dropout);
             }
         }
-        uint32_t p_frag[kSRegs / 8][4], ds_frag_own[kDeferRelease ? 1 : kSRegs / 8][4];
-        auto& ds_frag = *reinterpret_cast<uint32_t (*)[kSRegs / 8][4]>(kDeferRelease ? &ds_frag_carried[0][0] : &ds_frag_own[0][0]);
+        uint32_t p_frag[kSRegs / 8][4], ds_frag[kSRegs / 8][4];
         // dV += Pᵀ·dO and dK += dSᵀ·Q: query rows kk * 16.. of dO and Q are the K of MMA kk, this
         // consumer's dK and dV columns its N (MN-major, panels kPanelQBytes apart). Pᵀ and dSᵀ from
         // registers, or (split columns) the whole step's from shared memory, 16 queries = 32 bytes
@@ -1114,24 +1096,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
             wgmma_wait<1>();  // dV and dQ done
             fence_registers(acc_dq);
             store_dq(acc_dq, false);
-            if constexpr (kDeferRelease) {
-                fence_registers(acc_dv);
-                keep_fragments(p_frag);
-            } else {
-                wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
-                fence_registers(acc_dv);
-                fence_registers(acc_dk);
-                keep_fragments(p_frag);
-                keep_fragments(ds_frag);
-                mbar_arrive(empty(stage));
-            }
+            wgmma_wait<0>();  // dK done: the stage's Q, dO, LSE and D are free
+            fence_registers(acc_dv);
+            fence_registers(acc_dk);
+            keep_fragments(p_frag);
+            keep_fragments(ds_frag);
+            mbar_arrive(empty(stage));
         }
         if (stamps && t == 0) bwd_timeline_stamp(kFirstStepDone);
-    }
-    if constexpr (kDeferRelease) {
-        wgmma_wait<0>();  // the last step's dK
-        fence_registers(acc_dk);
-        keep_fragments(ds_frag_carried);
     }
     if (stamps) bwd_timeline_stamp(kLoopDone);
 
