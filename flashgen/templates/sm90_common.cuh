@@ -40,31 +40,16 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// How long (ns) one try_wait may suspend its thread before it returns unfinished. Without a hint
-// a waiting warp retries in a tight loop (TRYWAIT, BRA), issuing in the slots of the MMA warps that
-// share its scheduler; with one, ptxas retries after NANOSLEEP.SYNCS, which the barrier wakes
-// (CUTLASS's barriers pass 10 ms). 0, the default: no hint, until an A/B on the GPU decides
-// (tune_bwd_sm90.py --variants default FLASHGEN_SM90_MBAR_SUSPEND_NS=10000000, backward and
-// --direction fwd; benchmarks/results/20261207-nvidia-h100-sm90-bwd-det-dq-groups).
-#ifndef FLASHGEN_SM90_MBAR_SUSPEND_NS
-#define FLASHGEN_SM90_MBAR_SUSPEND_NS 0
-#endif
-
 // Waits until the phase with this parity has completed.
+// (try_wait without a suspend-time hint: CUTLASS's 10 ms hint measured 1.00x in the backward and
+// 0.99x in the forward, benchmarks/results/20261207-nvidia-h100-sm90-bwd-dropout-keep-bits.)
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
     while (!done) {
-#if FLASHGEN_SM90_MBAR_SUSPEND_NS > 0
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity), "n"(FLASHGEN_SM90_MBAR_SUSPEND_NS)
-                     : "memory");
-#else
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
                      : "r"(bar), "r"(parity)
                      : "memory");
-#endif
     }
 }
 
