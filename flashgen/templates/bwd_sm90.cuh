@@ -55,11 +55,13 @@
 //     query block no later than the blocks after it in the order, so none waits for long, but the
 //     shortest blocks run first.
 //
-// Dropout (kDropout): the forward's Philox mask (common.cuh's Dropout) regenerated per step. A
-// thread's keys key and key + 8 of a query lie in one Philox block (the 16 keys of quad lane
-// (key % 8) / 2 of a 64-key group), whose word for the thread's 16-key chunk it and its partner
-// lane ^ 4 (the same queries, the other key parity) both need: each draws the block of one of the
-// pair's two query columns and they swap words, so a step costs kBlockM / 8 blocks a thread.
+// Dropout (kDropout): the forward's Philox mask (common.cuh's Dropout) regenerated per step. At
+// 64 keys a consumer (kKeepBits) producer warps 1 and 3 draw each Philox block of the step once and
+// store the consumers' keep decisions as bits into the stage (a block's four words belong to four
+// consumer warps, the warps' 16-key chunks). Split columns draw in the consumers: a thread's keys
+// key and key + 8 of a query lie in one block, whose word for the thread's chunk it and its partner
+// lane ^ 4 (the same queries, the other key parity) both need; each draws the block of one of the
+// pair's two query columns and they swap words. Query rows draw a row's blocks as the forward does.
 #pragma once
 #include "common.cuh"
 #include "flash_params.cuh"
