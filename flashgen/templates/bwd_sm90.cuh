@@ -84,11 +84,6 @@ __device__ unsigned long long flashgen_bwd_timeline[FLASHGEN_BWD_TIMELINE_CTAS *
 #define FLASHGEN_BWD_SM90_ROWS_EARLY_DV 0
 #endif
 
-// 1: under dropout the producer's LSE and D rows carry the kept probabilities' scale (an A/B).
-#ifndef FLASHGEN_BWD_SM90_DROPOUT_SCALED_ROWS
-#define FLASHGEN_BWD_SM90_DROPOUT_SCALED_ROWS 0
-#endif
-
 namespace flashgen {
 
 // Phases a timeline variant stamps (slot 7 holds the SM and the CTA's steps).
@@ -394,14 +389,8 @@ __device__ __forceinline__ void softmax_backward_sm90(float (&s)[Tr::kSRegs], fl
                 bool const kept =
                     Tr::kKeepBits ? (keep_bits >> (8 * (2 * ((i % 8) / 4) + e / 2) + 2 * (i % 4) + e % 2)) & 1u
                                   : dropout.keep(e % 2 ? word1 : word0, 2 * (e / 2) + (lane / 4) % 2);
-#if FLASHGEN_BWD_SM90_DROPOUT_SCALED_ROWS
-                // (p is P / (1 - p_drop) already and D is D (1 - p_drop): the producer's rows carry it.)
-                ds = p * ((kept ? dp[i * 4 + e] : 0.f) - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
-                p = kept ? p : 0.f;
-#else
                 ds = p * ((kept ? dp[i * 4 + e] * params.rp_dropout : 0.f) - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
                 p = kept ? p * params.rp_dropout : 0.f;
-#endif
             } else {
                 ds = p * (dp[i * 4 + e] - (e % 2 ? dsum2.y : dsum2.x)) * dtanh;
             }
@@ -455,13 +444,8 @@ __device__ __forceinline__ void softmax_backward_rows_sm90(float (&s)[Tr::kSRegs
             float p = exp2_approx(score * params.scale_log2 - lse[e / 2]);
             float ds;
             if constexpr (Tr::kDropout) {
-#if FLASHGEN_BWD_SM90_DROPOUT_SCALED_ROWS
-                ds = p * ((kept[r] ? dp[r] : 0.f) - dsum[e / 2]) * dtanh;  // scaled as above
-                p = kept[r] ? p : 0.f;
-#else
                 ds = p * ((kept[r] ? dp[r] * params.rp_dropout : 0.f) - dsum[e / 2]) * dtanh;
                 p = kept[r] ? p * params.rp_dropout : 0.f;
-#endif
             } else {
                 ds = p * (dp[r] - dsum[e / 2]) * dtanh;
             }
@@ -648,18 +632,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const Sm90BwdParams& args) {
                 step_at.advance(qhpk, m_step);
                 if (warp == 1) {
                     int64_t const row_stats = bidb * params.stats_batch_stride + bidh * params.stats_head_stride + q_offset;
-                    // Dropout: the rows carry the kept probabilities' scale 1 / (1 - p_drop) = rp, so
-                    // that the consumers' exp2 gives P rp and dS = P rp (dP - D / rp) saves them two
-                    // multiplications an element (rp = 0 when nothing is kept: LSE +inf, D 0).
-                    constexpr bool kScaled = Tr::kDropout && FLASHGEN_BWD_SM90_DROPOUT_SCALED_ROWS;
-                    float const lse_shift = kScaled ? log2f(params.rp_dropout) : 0.f;
-                    float const d_scale = kScaled ? float(params.dropout_threshold) * (1.f / 256.f) : 1.f;
 #pragma unroll
                     for (int r = lane; r < kBlockM; r += 32) {
                         float lse_log2 = kInfinity, d = 0.f;
                         if (q0 + r < seqlen_q) {
-                            lse_log2 = lse_log2_rows[row_stats + q0 + r] - lse_shift;
-                            d = dsum[row_stats + q0 + r] * d_scale;
+                            lse_log2 = lse_log2_rows[row_stats + q0 + r];
+                            d = dsum[row_stats + q0 + r];
                         }
                         st_shared_f32(sLSE(stage) + r * 4, lse_log2);
                         st_shared_f32(sD(stage) + r * 4, d);
