@@ -2,7 +2,8 @@
 in one process, rounds in turn.
 
     python benchmarks/tune_bwd_sm90.py --variants default FLASHGEN_BWD_SM90_MEASURE_NO_EPILOGUE=1 \
-        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic] [--direction fwd]
+        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--rounds 2] [--deterministic] [--direction fwd] \
+        [--dropout P]
 
 A variant is "default" or items joined by "+": NAME=VALUE defines, which go to
 FLASHGEN_NVRTC_EXTRA_OPTIONS as -DNAME=VALUE (part of the cache key, so each gets its own cubins),
@@ -94,7 +95,7 @@ def render_every_width(variants: list[str]) -> None:
     wgmma.N_TILES = tuple(sorted(widths))
 
 
-def prebuild(variants: list[str], shapes, direction: str, jobs: int) -> None:
+def prebuild(variants: list[str], shapes, direction: str, jobs: int, dropout: bool = False) -> None:
     """Compiles the sm90 instances that the shapes run (bf16, not packed), for every variant, jobs
     at a time, before any timing: the timing loop would compile each on first use, one at a time.
     Best effort: an instance it misses compiles when first used."""
@@ -104,9 +105,10 @@ def prebuild(variants: list[str], shapes, direction: str, jobs: int) -> None:
     uris = set()
     for head_dim, _, causal in shapes:
         mask = "_causal" if causal else ""
-        uris.add(f"flash_fwd_sm90_hdim{head_dim}_bf16{mask}_sm90a")
+        drop = "_dropout" if dropout else ""
+        uris.add(f"flash_fwd_sm90_hdim{head_dim}_bf16{mask}{drop}_sm90a")
         if direction == "bwd":
-            uris.add(f"flash_bwd_sm90_hdim{sm90_bwd_instance_head_dim(head_dim)}_bf16{mask}_sm90a")
+            uris.add(f"flash_bwd_sm90_hdim{sm90_bwd_instance_head_dim(head_dim)}_bf16{mask}{drop}_sm90a")
     specs = [spec for spec in matrix.all_specs(archs=["sm_90a"]) if spec.uri in uris]
     for variant in variants:
         use_variant(variant)  # its defines and tiles, which the rendering and the options read
@@ -115,13 +117,16 @@ def prebuild(variants: list[str], shapes, direction: str, jobs: int) -> None:
               + (f", failed: {failed}" if failed else ""), flush=True)
 
 
-def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", replays=20, warm_ms=150.0) -> float:
+def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", replays=20, warm_ms=150.0,
+             dropout_p=0.0) -> float:
     """Median ms of one backward (its three kernels) or forward replayed from a CUDA graph, planned
     with the variant's tuning changes."""
     from flashgen.runtime import backward
+    from flashgen.runtime.dropout import DropoutState
 
+    dropout = DropoutState(dropout_p, 1234, 0) if dropout_p > 0 else None
     with torch.no_grad():
-        out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        out, lse, _ = flashgen.flash_attn_func(q, k, v, causal=causal, dropout_p=dropout_p, return_attn_probs=True)
     grads = [torch.empty_like(x) for x in (q, k, v)]
 
     def run():
@@ -130,7 +135,8 @@ def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", rep
                 flashgen.flash_attn_func(q, k, v, causal=causal)
             return
         backward.flash_bwd(dout, q, k, v, out, lse, *grads, softmax_scale=q.shape[-1] ** -0.5, causal=causal,
-                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic)
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
+                           dropout=dropout)
 
     with tuning.use(**changes):
         run()  # compiles and loads outside the capture
@@ -163,11 +169,14 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout probability (the dropout instances)")
     parser.add_argument("--direction", choices=("bwd", "fwd"), default="bwd")
     parser.add_argument("--graph", action="store_true", help="kernels only, from CUDA-graph replays")
     parser.add_argument("--jobs", type=int, default=0,
                         help="compile every variant's instances this many at a time before timing (0: on first use)")
     args = parser.parse_args()
+    if args.dropout and args.graph and args.direction == "fwd":
+        parser.error("--dropout with --graph times the backward only (a dropout forward is not capturable)")
     shapes = list(itertools.product((int(d) for d in args.head_dims.split(",")),
                                     (int(s) for s in args.seqlens.split(",")), (False, True)))
     inputs = {}
@@ -180,7 +189,7 @@ def main() -> None:
         inputs[(head_dim, seqlen, causal)] = (q, k, v, torch.randn_like(q), flops)
     render_every_width(args.variants)
     if args.jobs:
-        prebuild(args.variants, list(inputs), args.direction, args.jobs)
+        prebuild(args.variants, list(inputs), args.direction, args.jobs, args.dropout > 0)
     results = {}
     if args.graph:
         for round_index in range(args.rounds):
@@ -188,7 +197,7 @@ def main() -> None:
             for shape, (q, k, v, dout, flops) in inputs.items():
                 for variant in args.variants[shift:] + args.variants[:shift]:
                     ms = graph_ms(q, k, v, dout, shape[2], variant_deterministic(variant, args.deterministic),
-                                  use_variant(variant), args.direction)
+                                  use_variant(variant), args.direction, dropout_p=args.dropout)
                     results.setdefault((variant, shape), []).append(flops / ms / 1e9)
                     print(f"  round {round_index} {variant} d{shape[0]} s{shape[1]}{' causal' if shape[2] else ''}: "
                           f"{flops / ms / 1e9:.1f}", flush=True)  # a run cut short still leaves its numbers
@@ -198,18 +207,18 @@ def main() -> None:
             for shape, (q, k, v, dout, flops) in inputs.items():
                 if args.direction == "fwd":
                     with torch.no_grad(), tuning.use(**changes):
-                        ms = do_bench(lambda: flashgen.flash_attn_func(q, k, v, causal=shape[2]),
+                        ms = do_bench(lambda: flashgen.flash_attn_func(q, k, v, causal=shape[2], dropout_p=args.dropout),
                                       warmup=30, rep=150, return_mode="median")
                 else:
                     with tuning.use(**changes):  # its backward plans with its forward's tuning
-                        out = flashgen.flash_attn_func(q, k, v, causal=shape[2],
+                        out = flashgen.flash_attn_func(q, k, v, causal=shape[2], dropout_p=args.dropout,
                                                        deterministic=variant_deterministic(variant, args.deterministic))
                     ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                   warmup=30, rep=150, return_mode="median")
                 results.setdefault((variant, shape), []).append(flops / ms / 1e9)
     use_variant("default")
     print(f"{torch.cuda.get_device_name()}: sm90 {'backward' if args.direction == 'bwd' else 'forward'} TFLOP/s (median of {args.rounds} rounds), gqa {args.gqa}, "
-          f"deterministic={args.deterministic}")
+          f"deterministic={args.deterministic}" + (f", dropout {args.dropout}" if args.dropout else ""))
     widths = [max(12, len(v) + 2) for v in args.variants]  # long variant names keep a space between them
     print(f"{'shape':<18}" + "".join(f"{v:>{w}}" for v, w in zip(args.variants, widths)))
     for shape in inputs:
