@@ -179,7 +179,6 @@ struct Sm90BwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr bool kKeepBits = kDropout && kBlockN == 128;
     static constexpr int kKeepWords = kKeepBits ? kBlockM / 64 : 0;
     static constexpr int kKeepBytes = kKeepWords * Sm90Warpgroups<kProducerRegs_, kConsumerRegs_>::kConsumerThreads * 4;
-    static constexpr int kKeepWarps = kKeepBits ? 2 : 0;  // producer warps 1 and 3
     // A step's dQ in fp32: kHeadDim / 32 boxes of kBlockM rows x 32 columns (128 bytes), 128-byte
     // swizzled (the consumers' 8-byte stores of 8 rows at a column take two wavefronts, the least
     // for 256 bytes), added to the dQ buffer by TMA reductions, one per box. Split columns leave no

@@ -296,8 +296,9 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout: Philox4x32 (Salmon et al., SC'11) with kPhiloxRounds rounds, a counter-based RNG, so the backward regenerates
-// the forward's mask from (seed, offset) and each element's coordinates alone, in any layout.
+// Dropout: Philox4x32 (Salmon et al., SC'11) of kPhiloxRounds rounds, a counter-based RNG, so the
+// backward regenerates the forward's mask from (seed, offset) and each element's coordinates
+// alone, in any layout.
 // Element (query i, key j) of (batch b, query head h) keeps its probability iff byte 2 n + e of
 // word c of philox(counter = {4 g + q, i, b * nheads + h, offset_lo}, key = {seed_lo ^ offset_hi *
 // 0x9E3779B9, seed_hi ^ kDropoutDomain}) is below keep_threshold = round((1 - p) * 256), where
