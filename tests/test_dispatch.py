@@ -627,6 +627,28 @@ def test_sm90_backward_tiles_and_widths():
         tiles.Sm90BwdTile(128, block_n=64)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_sm90_backward_dropout_keep_bits_tile(head_dim):
+    # At 64 keys a consumer the producer warps draw dropout's keep bits into the stage (a word per
+    # consumer thread per 64 queries) with 32 registers; the plan asks for the same tile as the
+    # instance renders (its static_assert holds the kernel's layout to smem_bytes).
+    from flashgen.generator import render, tiles
+
+    plain, dropped = tiles.bwd_tile("sm90", "sm_90a", head_dim), tiles.bwd_tile("sm90", "sm_90a", head_dim, True)
+    chosen = _plan_bwd(head_dim=head_dim, sm90=True, dropout=True)
+    assert chosen.tile == dropped and chosen.spec.dropout
+    assert f"Traits::kSmemBytes == {dropped.smem_bytes(head_dim)}," in render.render_instance(chosen.spec)
+    if plain.block_n == 128:
+        assert dropped.keep_bits and dropped.producer_registers == 32 and dropped.consumer_registers == 232
+        keep_bytes = dropped.stages * (dropped.block_m // 64) * 256 * 4
+        assert dropped.smem_bytes(head_dim) == plain.smem_bytes(head_dim) + keep_bytes
+        assert dropped.smem_bytes(head_dim) <= tiles.smem_limit("sm_90a")
+    else:
+        assert dropped == plain
+    with pytest.raises(ValueError, match="keep bits"):
+        tiles.Sm90BwdTile(64, block_n=64, keep_bits=True)
+
+
 def test_tma_compatible_inputs():
     import torch
 
