@@ -14,9 +14,9 @@ if [ ! -d "$dir/nvidia" ]; then
   python -m pip download --no-deps -q -d "$dir" "nvidia-cuda-nvrtc==$version"
   python -m zipfile -e "$dir"/nvidia_cuda_nvrtc-*.whl "$dir"
 fi
-lib=$(dirname "$(find "$dir/nvidia" -name 'libnvrtc.so.*' ! -name '*alt*' | head -1)")
-builtins=$(find "$lib" -name 'libnvrtc-builtins.so.*' ! -name '*alt*' | head -1)
-export LD_PRELOAD="$(find "$lib" -name 'libnvrtc.so.*' ! -name '*alt*' | head -1) $builtins"
+libnvrtc=$(find "$dir/nvidia" -name 'libnvrtc.so.*' ! -name '*alt*' | head -1)
+lib=$(dirname "$libnvrtc")
+export LD_PRELOAD="$libnvrtc $(find "$lib" -name 'libnvrtc-builtins.so.*' ! -name '*alt*' | head -1)"
 export LD_LIBRARY_PATH="$lib" FLASHGEN_CACHE_DIR="$dir/cache"
 python -c "from flashgen.generator import nvrtc; print('NVRTC', '.'.join(map(str, nvrtc.nvrtc_version())))"
 python -m flashgen build --arch "$arch" ${filter:+--filter "$filter"} -j "$(nproc)"
