@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles instances with another NVRTC than the installed one, e.g. the GPU machine's, so that what
 # only that version rejects shows before device time is spent (NVRTC 13.0 compiles a generic lambda
-# as a host function, 13.5 does not: benchmarks/results/20261207-nvidia-h200-sm90-bwd-pipelined-step).
+# as a host function, 13.5 does not: benchmarks/results/20261207-nvidia-h100-sm90-bwd-pipelined-step).
 # The wheel's libnvrtc is preloaded, so cuda-bindings uses it; its cubins go to a cache of their own.
 #
 #     benchmarks/compile_with_nvrtc.sh 13.0.88 flash_bwd_sm90 [sm_90a]
