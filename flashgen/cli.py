@@ -763,7 +763,8 @@ def bench_command(ctx: click.Context, suites: tuple[str, ...], quick: bool, out:
                and TB/s of K+V read against the measured copy bandwidth
       compile  cold NVRTC compile per instance, NVRTC's phase timings per family
                (front end, optimizer, ptxas), warm cache load in a fresh process,
-               the matrix with -j N, host time per call next to SDPA's
+               the matrix with -j N, host time per call next to SDPA's, a d128
+               forward's first call in a fresh process next to FA4's
 
     Every flashgen output is checked once per config against a reference before it is timed; a
     peer that is missing or refuses a config is skipped with the reason.  The header gives the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 
@@ -356,6 +357,26 @@ def test_warm_load_failure_is_reported(monkeypatch):
     assert f"warm cache load of {spec.uri} FAILED" in "\n".join(report.compile_lines(compile_result))
 
 
+def test_first_calls_run_fresh_processes_on_a_scratch_cache(monkeypatch, tmp_path):
+    # Each run is a fresh interpreter that sees the scratch cache; the first writes there, later
+    # ones find it (as flashgen's cubins are found); a failing implementation is skipped with its error.
+    compile(suites.FIRST_CALL_SNIPPET, "first call", "exec")  # the real one parses (it needs a GPU to run)
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setattr(suites, "FIRST_CALL_SNIPPET", r"""
+import os, pathlib, sys
+if sys.argv[1] == "fa4":
+    raise SystemExit("ModuleNotFoundError: No module named 'flash_attn'")
+marker = pathlib.Path(os.environ["FLASHGEN_CACHE_DIR"]) / "compiled"
+print(2.5, 0.01 if marker.exists() else 0.9)
+marker.touch()
+""")
+    result = suites.first_calls(["flashgen", "fa4"], runs=3)
+    assert result == {"flashgen": {"first_call_s": [0.9, 0.01, 0.01], "imports_s": 2.5},
+                      "fa4": {"skipped": "ModuleNotFoundError: No module named 'flash_attn'"}}
+    assert os.environ["FLASHGEN_CACHE_DIR"] == str(tmp_path / "mine")  # restored
+    assert not (tmp_path / "mine").exists()  # the user's cache untouched
+
+
 # ---------------------------------------------------------------- report, on canned numbers
 
 
@@ -433,6 +454,8 @@ COMPILE = {
     "host_overhead_us": {"flashgen.flash_attn_func": {"us": 21.0}, "SDPA": {"skipped": "RuntimeError: no"}},
     "phases": {"fwd sm90": {"instances": 2, "ms": {"CUDA C++ Frontend": 100.0, "NVVM Optimizer": 500.0,
                                                     "PTX Translation": 400.0}}},
+    "first_call": {"flashgen": {"first_call_s": [0.95, 0.012], "imports_s": 2.7},
+                   "fa4": {"skipped": "ModuleNotFoundError: No module named 'flash_attn'"}},
 }
 
 
@@ -444,6 +467,8 @@ def test_compile_lines_and_failures():
     assert "flashgen.flash_attn_func: 21.0 us" in text and "SDPA: skipped: RuntimeError: no" in text
     assert ("fwd sm90 (2): 1000 ms: CUDA C++ Frontend 100 (10%), NVVM Optimizer 500 (50%), "
             "PTX Translation 400 (40%)") in text
+    assert "flashgen: 0.950 s, 0.012 s (imports 2.70 s)" in text
+    assert "fa4: skipped: ModuleNotFoundError: No module named 'flash_attn'" in text
     assert report.failures(canned_results(compile=COMPILE)) == ["compile: uri_d failed"]
 
 

@@ -143,6 +143,15 @@ def compile_lines(c: dict | None) -> list[str]:
         for name, entry in c["host_overhead_us"].items():
             figure = f"{entry['us']:.1f} us" if "us" in entry else f"skipped: {entry['skipped']}"
             lines.append(f"    {name}: {figure}")
+    if c.get("first_call"):
+        lines.append("  first call of a d128 causal forward (b2 s1024 h16 bf16) in fresh processes, after imports "
+                     "and inputs (the first on an empty flashgen cache, the next ones warm):")
+        for impl, entry in c["first_call"].items():
+            if "skipped" in entry:
+                lines.append(f"    {impl}: skipped: {entry['skipped']}")
+            else:
+                runs = ", ".join(f"{s:.3f} s" for s in entry["first_call_s"])
+                lines.append(f"    {impl}: {runs} (imports {entry['imports_s']:.2f} s)")
     return lines
 
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,28 @@ t2 = time.perf_counter()
 print(t1 - t0, t2 - t1)
 """
 
+
+# A d128 causal forward's first call in a fresh interpreter, after imports, CUDA context and inputs:
+# flashgen compiles its instance there (on an empty cache the first time), FA4 JIT-compiles its kernel.
+FIRST_CALL_SNIPPET = r"""
+import sys, time
+t0 = time.perf_counter()
+import torch
+if sys.argv[1] == "flashgen":
+    from flashgen import flash_attn_func
+    call = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
+else:
+    from flash_attn.cute import flash_attn_func
+    call = lambda q, k, v: flash_attn_func(q, k, v, causal=True)[0]
+torch.cuda.init()
+q, k, v = (torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+call(q, k, v)
+torch.cuda.synchronize()
+print(t1 - t0, time.perf_counter() - t1)
+"""
+FIRST_CALL_IMPLS = ("flashgen", "fa4")
 
 @dataclasses.dataclass(frozen=True)
 class Timers:
@@ -348,6 +370,27 @@ def _warm_load(spec, runs: int) -> dict:
     }
 
 
+def first_calls(impls: Sequence[str], runs: int) -> dict:
+    """Each implementation's first call (FIRST_CALL_SNIPPET) in ``runs`` fresh interpreters one after
+    the other, on a scratch flashgen cache: the first run is the cold start, later ones find what it
+    left on disk (flashgen's cubin cache; FA4's own cache, if it keeps one)."""
+    result = {}
+    with _scratch_cache():
+        for impl in impls:
+            samples = []
+            for _ in range(runs):
+                done = subprocess.run([sys.executable, "-c", FIRST_CALL_SNIPPET, impl],
+                                      capture_output=True, text=True, check=False, env=dict(os.environ))
+                if done.returncode != 0:
+                    samples = None
+                    result[impl] = {"skipped": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+                    break
+                samples.append([float(x) for x in done.stdout.split()[-2:]])
+            if samples:
+                result[impl] = {"first_call_s": [call for _, call in samples], "imports_s": samples[0][0]}
+    return result
+
+
 def host_overheads() -> dict:
     """Host microseconds to enqueue one call on shapes whose kernels are shorter than that work."""
     import flashgen
@@ -442,6 +485,9 @@ def run_compile(s: Settings, arch: str, on_gpu: bool, progress) -> dict:
     if on_gpu:
         progress("compile: host overhead per call")
         result["host_overhead_us"] = host_overheads()
+        first = [impl for impl in FIRST_CALL_IMPLS if impl == "flashgen" or impl in s.peers]
+        progress(f"compile: first call in {s.warm_runs} fresh processes each: {', '.join(first)}")
+        result["first_call"] = first_calls(first, s.warm_runs)
     return result
 
 
