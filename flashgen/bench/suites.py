@@ -78,6 +78,7 @@ print(t1 - t0, time.perf_counter() - t1)
 """
 FIRST_CALL_IMPLS = ("flashgen", "fa4")
 
+
 @dataclasses.dataclass(frozen=True)
 class Timers:
     kernel_ms: Callable[[Callable[[], object]], float]  # median ms of one call (prefill)
@@ -352,17 +353,25 @@ def _build_summary(results) -> dict:
     }
 
 
+def _fresh_process(snippet: str, *args: str) -> tuple[float, float] | str:
+    """``snippet`` run by a fresh interpreter with this environment: the two numbers its output ends
+    with, or the last line of its error."""
+    done = subprocess.run([sys.executable, "-c", snippet, *args], capture_output=True, text=True, check=False,
+                          env=dict(os.environ))
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or ["no output"])[-1]
+    first, second = (float(x) for x in done.stdout.split()[-2:])
+    return first, second
+
+
 def _warm_load(spec, runs: int) -> dict:
     """A cached instance loaded by a fresh interpreter: the cache's cost next to the imports'."""
     samples = []
     for _ in range(runs):
-        done = subprocess.run(
-            [sys.executable, "-c", WARM_SNIPPET.format(spec=spec.to_dict())],
-            capture_output=True, text=True, check=False, env=dict(os.environ),
-        )
-        if done.returncode != 0:
-            return {"uri": spec.uri, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-        samples.append([float(x) for x in done.stdout.split()[-2:]])
+        sample = _fresh_process(WARM_SNIPPET.format(spec=spec.to_dict()))
+        if isinstance(sample, str):
+            return {"uri": spec.uri, "error": sample}
+        samples.append(sample)
     return {
         "uri": spec.uri, "runs": runs,
         "load_ms": statistics.median(load for _, load in samples) * 1e3,
@@ -379,14 +388,12 @@ def first_calls(impls: Sequence[str], runs: int) -> dict:
         for impl in impls:
             samples = []
             for _ in range(runs):
-                done = subprocess.run([sys.executable, "-c", FIRST_CALL_SNIPPET, impl],
-                                      capture_output=True, text=True, check=False, env=dict(os.environ))
-                if done.returncode != 0:
-                    samples = None
-                    result[impl] = {"skipped": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+                sample = _fresh_process(FIRST_CALL_SNIPPET, impl)
+                if isinstance(sample, str):
+                    result[impl] = {"skipped": sample}
                     break
-                samples.append([float(x) for x in done.stdout.split()[-2:]])
-            if samples:
+                samples.append(sample)
+            else:
                 result[impl] = {"first_call_s": [call for _, call in samples], "imports_s": samples[0][0]}
     return result
 
