@@ -360,7 +360,8 @@ def test_warm_load_failure_is_reported(monkeypatch):
 def test_first_calls_run_fresh_processes_on_a_scratch_cache(monkeypatch, tmp_path):
     # Each run is a fresh interpreter that sees the scratch cache; the first writes there, later
     # ones find it (as flashgen's cubins are found); a failing implementation is skipped with its error.
-    compile(suites.FIRST_CALL_SNIPPET, "first call", "exec")  # the real one parses (it needs a GPU to run)
+    # The real one parses (it needs a GPU to run).
+    compile(suites.FIRST_CALL_SNIPPET.format(shape=suites.FIRST_CALL_SHAPE), "first call", "exec")
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setattr(suites, "FIRST_CALL_SNIPPET", r"""
 import os, pathlib, sys
@@ -456,6 +457,7 @@ COMPILE = {
                                                     "PTX Translation": 400.0}}},
     "first_call": {"flashgen": {"first_call_s": [0.95, 0.012], "imports_s": 2.7},
                    "fa4": {"skipped": "ModuleNotFoundError: No module named 'flash_attn'"}},
+    "first_call_shape": "b2 s1024 h16 d128",
 }
 
 
@@ -467,6 +469,7 @@ def test_compile_lines_and_failures():
     assert "flashgen.flash_attn_func: 21.0 us" in text and "SDPA: skipped: RuntimeError: no" in text
     assert ("fwd sm90 (2): 1000 ms: CUDA C++ Frontend 100 (10%), NVVM Optimizer 500 (50%), "
             "PTX Translation 400 (40%)") in text
+    assert "forward (b2 s1024 h16 d128) in fresh processes" in text
     assert "flashgen: 0.950 s, 0.012 s (imports 2.70 s)" in text
     assert "fa4: skipped: ModuleNotFoundError: No module named 'flash_attn'" in text
     assert report.failures(canned_results(compile=COMPILE)) == ["compile: uri_d failed"]

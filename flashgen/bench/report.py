@@ -144,8 +144,8 @@ def compile_lines(c: dict | None) -> list[str]:
             figure = f"{entry['us']:.1f} us" if "us" in entry else f"skipped: {entry['skipped']}"
             lines.append(f"    {name}: {figure}")
     if c.get("first_call"):
-        lines.append("  first call of a d128 causal forward (b2 s1024 h16 bf16) in fresh processes, after imports "
-                     "and inputs (the first on an empty flashgen cache, the next ones warm):")
+        lines.append(f"  first call of a causal bf16 forward ({c['first_call_shape']}) in fresh processes, after "
+                     "imports and inputs (the first on an empty flashgen cache, the next ones warm):")
         for impl, entry in c["first_call"].items():
             if "skipped" in entry:
                 lines.append(f"    {impl}: skipped: {entry['skipped']}")

@@ -56,8 +56,9 @@ print(t1 - t0, t2 - t1)
 """
 
 
-# A d128 causal forward's first call in a fresh interpreter, after imports, CUDA context and inputs:
+# A causal forward's first call in a fresh interpreter, after imports, CUDA context and inputs:
 # flashgen compiles its instance there (on an empty cache the first time), FA4 JIT-compiles its kernel.
+FIRST_CALL_SHAPE = (2, 1024, 16, 128)  # batch, seqlen, heads, head dim; bf16
 FIRST_CALL_SNIPPET = r"""
 import sys, time
 t0 = time.perf_counter()
@@ -69,7 +70,7 @@ else:
     from flash_attn.cute import flash_attn_func
     call = lambda q, k, v: flash_attn_func(q, k, v, causal=True)[0]
 torch.cuda.init()
-q, k, v = (torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+q, k, v = (torch.randn({shape}, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 torch.cuda.synchronize()
 t1 = time.perf_counter()
 call(q, k, v)
@@ -388,7 +389,7 @@ def first_calls(impls: Sequence[str], runs: int) -> dict:
         for impl in impls:
             samples = []
             for _ in range(runs):
-                sample = _fresh_process(FIRST_CALL_SNIPPET, impl)
+                sample = _fresh_process(FIRST_CALL_SNIPPET.format(shape=FIRST_CALL_SHAPE), impl)
                 if isinstance(sample, str):
                     result[impl] = {"skipped": sample}
                     break
@@ -495,6 +496,7 @@ def run_compile(s: Settings, arch: str, on_gpu: bool, progress) -> dict:
         first = [impl for impl in FIRST_CALL_IMPLS if impl == "flashgen" or impl in s.peers]
         progress(f"compile: first call in {s.warm_runs} fresh processes each: {', '.join(first)}")
         result["first_call"] = first_calls(first, s.warm_runs)
+        result["first_call_shape"] = "b{} s{} h{} d{}".format(*FIRST_CALL_SHAPE)
     return result
 
 
