@@ -1,6 +1,6 @@
 """Executing a plan: tensors in the layouts the kernels read, Params packing and launching on the
-current stream, the split-KV combine. interface.py, backward.py and kvcache.py call it; it calls
-none of them."""
+current stream, the split-KV combine, and the launch records that repeated forward calls replay.
+interface.py, backward.py and kvcache.py call it; it calls none of them."""
 from __future__ import annotations
 
 import functools
@@ -121,17 +121,15 @@ def combine_geometry(num_splits: int, rows: int, head_dim: int, num_sms: int):
 
 
 def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_partial_strides,
-                   out_strides, lse_strides, num_splits, batch, seqlen, nheads, head_dim) -> None:
+                   out_strides, lse_strides, num_splits, batch, seqlen, nheads, head_dim, capture=None) -> None:
     """Merge split-KV partials. Strides are (split, batch, row, head) for partials and
-    (batch, row, head) for outputs, in elements."""
+    (batch, row, head) for outputs, in elements. ``capture``: the launch kept there too."""
     index = device_index(out)
     info = device_info(index)
     spec = combine_spec(info.capability, out.dtype)
-    values = dict(
-        out_partial_ptr=out_partial.data_ptr(), lse_partial_ptr=lse_partial.data_ptr(),
-        out_ptr=out.data_ptr(), lse_ptr=lse.data_ptr(),
-        num_splits=num_splits, batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,
-    )
+    pointers = dict(out_partial_ptr=out_partial, lse_partial_ptr=lse_partial, out_ptr=out, lse_ptr=lse)
+    values = addresses(pointers)
+    values.update(num_splits=num_splits, batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim)
     for prefix, names, strides in (
         ("out_partial", ("split", "batch", "row", "head"), partial_strides),
         ("lse_partial", ("split", "batch", "row", "head"), lse_partial_strides),
@@ -142,8 +140,17 @@ def launch_combine(out_partial, lse_partial, out, lse, *, partial_strides, lse_p
     threads, grid = combine_geometry(num_splits, batch * seqlen * nheads, head_dim, info.num_sms)
     # On sm_90+ the combine is a programmatic dependent launch: its CTAs are resident when the
     # forward's last ones finish (combine.cuh waits with griddepcontrol.wait), hiding its launch.
-    launch_kernel(spec, 0, threads, grid, params_mod.pack(params_mod.COMBINE_LAYOUT, values), index,
-            dependent=tuning.current().dependent_combine and info.capability[0] >= 9)
+    params = params_mod.pack(params_mod.COMBINE_LAYOUT, values)
+    dependent = tuning.current().dependent_combine and info.capability[0] >= 9
+    launch_kernel(spec, 0, threads, grid, params, index, dependent=dependent)
+    if capture is not None:
+        capture.add(params_mod.COMBINE_LAYOUT, pointers, spec, 0, threads, grid, params, dependent)
+
+
+def addresses(pointers: dict) -> dict:
+    """{field: data pointer (0 for None)} of a launch's {pointer field: tensor or None}: the one
+    statement of which tensor a field points to, packed here and kept by a Capture."""
+    return {name: t.data_ptr() if t is not None else 0 for name, t in pointers.items()}
 
 
 def ptr_or_null(t) -> int:
@@ -160,16 +167,14 @@ def run_fwd(
     plan: FwdPlan, *, q, k, v, out, lse, softmax_scale, softcap, alibi_slopes, seqlen_k,
     seqused_k=None, seqlen_k_new=0, leftpad_k=None, kv_batch_idx=None, block_table=None,
     page_size=1, kv_batch=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-    dropout=None, max_seqlen_q=None, record: bool = False,
-) -> FwdRecord | None:
+    dropout=None, max_seqlen_q=None, capture: Capture | None = None,
+) -> None:
     """Launch a planned forward (and the split-KV combine) writing ``out`` and ``lse``.
 
     Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
     q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
     capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows.
-    ``record``: also return an FwdRecord of the launch for the next calls of the same description
-    where it is one launch whose params differ between such calls only in the five tensor
-    pointers (None otherwise)."""
+    ``capture``: keep the launches there too, for a record of the call (record_fwd)."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     if cu_seqlens_q is not None:
@@ -183,13 +188,12 @@ def run_fwd(
     has_softcap = softcap > 0
     splits = plan.num_splits
     if splits > 1 and not plan.merge_in_cluster:
-        # One allocation for both partial buffers (an allocation is several microseconds).
-        o_elems = splits * partial_rows * nheads * head_dim
-        scratch = torch.empty(o_elems + splits * partial_rows * nheads, dtype=torch.float32, device=q.device)
-        oaccum = scratch[:o_elems]
-        lseaccum = scratch[o_elems:]
+        partial_sizes = (splits * partial_rows * nheads * head_dim, splits * partial_rows * nheads)
+        oaccum, lseaccum = split_partials(*partial_sizes, q.device)
         if seqused_q is not None:
             lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
+        if capture is not None:
+            capture.partials = (oaccum, lseaccum, partial_sizes)
     else:
         oaccum = lseaccum = None
     index = device_index(q)
@@ -201,12 +205,17 @@ def run_fwd(
         alloc = torch.empty if seqused_q is None else torch.zeros
         padded_out = alloc((*out.shape[:-1], plan.spec.head_dim), dtype=out.dtype, device=out.device)
     o_tensor = out if padded_out is None else padded_out
-    packed = params_mod.pack_fwd_values(
-        q_ptr=q.data_ptr(), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(), o_ptr=o_tensor.data_ptr(),
-        lse_ptr=lse.data_ptr(), alibi_slopes_ptr=ptr_or_null(alibi_slopes), seqused_k_ptr=ptr_or_null(seqused_k),
-        leftpad_k_ptr=ptr_or_null(leftpad_k), kv_batch_idx_ptr=ptr_or_null(kv_batch_idx), block_table_ptr=ptr_or_null(block_table),
-        oaccum_ptr=ptr_or_null(oaccum), lseaccum_ptr=ptr_or_null(lseaccum), cu_seqlens_q_ptr=ptr_or_null(cu_seqlens_q),
-        cu_seqlens_k_ptr=ptr_or_null(cu_seqlens_k), seqused_q_ptr=ptr_or_null(seqused_q),
+    dropping = dropout is not None and dropout.p > 0
+    if capture is not None and (padded_out is not None or seqused_q is not None or dropping):
+        capture.replayable = False
+    pointers = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o_tensor, lse_ptr=lse, alibi_slopes_ptr=alibi_slopes,
+        seqused_k_ptr=seqused_k, leftpad_k_ptr=leftpad_k, kv_batch_idx_ptr=kv_batch_idx, block_table_ptr=block_table,
+        oaccum_ptr=oaccum, lseaccum_ptr=lseaccum, cu_seqlens_q_ptr=cu_seqlens_q, cu_seqlens_k_ptr=cu_seqlens_k,
+        seqused_q_ptr=seqused_q,
+    )
+    fwd_params = params_mod.pack_fwd_values(
+        **addresses(pointers),
         q_strides=row_strides(q), k_strides=row_strides(k), v_strides=row_strides(v), o_strides=row_strides(o_tensor),
         alibi_batch_stride=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
@@ -224,17 +233,19 @@ def run_fwd(
         softcap_scale=softmax_scale / softcap if has_softcap else 0.0,
         softcap=float(softcap),
         alibi_scale=1.0 if has_softcap else 1.0 / softmax_scale,
-        **(dropout.params() if dropout is not None and dropout.p > 0 else NO_DROPOUT_PARAMS),
+        **(dropout.params() if dropping else NO_DROPOUT_PARAMS),
     )
-    fwd_params = packed
-    group = nheads // nheads_k if plan.spec.pack_gqa else 1
+    cluster = (1, 1, splits) if plan.merge_in_cluster else None
+    packed, maps = fwd_params, None
     if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
-        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, packed, group)
+        group = nheads // nheads_k if plan.spec.pack_gqa else 1
+        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, fwd_params, group)
+        maps = (plan.tile.block_m, plan.tile.block_n, group, (q, k, v))
     launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
-            dependent=plan.dependent_launch, cluster=(1, 1, splits) if plan.merge_in_cluster else None)
-    reusable = (record and splits == 1 and padded_out is None and alibi_slopes is None and cu_seqlens_q is None
-                and (dropout is None or dropout.p == 0) and not any(
-                    t is not None for t in (seqused_k, leftpad_k, kv_batch_idx, block_table, cu_seqlens_k, seqused_q)))
+                  dependent=plan.dependent_launch, cluster=cluster)
+    if capture is not None:
+        capture.add(params_mod.FWD_LAYOUT, pointers, plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid,
+                    fwd_params, plan.dependent_launch, cluster, maps)
     if padded_out is not None:
         out.copy_(padded_out[..., :head_dim])
     if splits > 1 and not plan.merge_in_cluster:
@@ -247,39 +258,130 @@ def run_fwd(
             lse_partial_strides=(partial_rows * row_lse, seqlen_q * row_lse, row_lse, 1),
             out_strides=row_strides(out), lse_strides=lse_strides, num_splits=splits,
             batch=batch if cu_seqlens_q is None else 1, seqlen=seqlen_q, nheads=nheads, head_dim=head_dim,
+            capture=capture,
         )
-    if not reusable:
-        return None
-    return FwdRecord(plan, fwd_params, group)
 
 
-_FWD_FIELD_NAMES = [f.name for f in params_mod.FWD_LAYOUT.fields]
-# Where a dense forward's tensor pointers sit in FwdParams (q, k, v, out, lse).
-_FWD_POINTER_OFFSETS = tuple(params_mod.FWD_LAYOUT.offsets[_FWD_FIELD_NAMES.index(name)]
-                             for name in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"))
-_POINTER = struct.Struct("<Q")
+def split_partials(o_elems: int, lse_elems: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-KV forward's fp32 partial O and LSE (elements of each), in one allocation (an
+    allocation is several microseconds): allocated per call, by run_fwd and by run_fwd_record."""
+    scratch = torch.empty(o_elems + lse_elems, dtype=torch.float32, device=device)
+    return scratch[:o_elems], scratch[o_elems:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch records: a repeated call of one description (its caller's key: everything the plans and
+# the params depend on but the tensors' addresses) launches what its first call launched, each
+# params buffer copied with the new call's pointers written in. The first call runs the full path
+# with a Capture, which keeps each launch with the tensors its pointer fields came from; record_fwd
+# turns those tensors into slots of the caller's tuple of per-call tensors.
+
+
+class Launch(typing.NamedTuple):
+    """One kernel launch of a record: launch_kernel's arguments, params as the recording call
+    packed them, and where a later call's pointers go."""
+
+    spec: KernelSpec
+    smem_bytes: int
+    num_threads: int
+    grid: tuple[int, int, int]
+    params: bytes
+    dependent: bool
+    cluster: tuple[int, int, int] | None
+    pointers: tuple[tuple[int, int], ...]  # (offset in params, slot in the call's tensors)
+    # The sm90 forward: (block_m, block_n, PackGQA group, Q's slot, K's, V's) of the tensor maps put
+    # before its params (tma.sm90_fwd_params), made per call from the memo; None for the rest.
+    maps: tuple[int, int, int, int, int, int] | None
 
 
 class FwdRecord(typing.NamedTuple):
-    """A dense forward's launch, planned and packed once for the calls of one description
-    (interface._fwd's key: shapes, strides, dtype, device, options, tuning): each call writes its
-    five tensor pointers into a copy of the params and launches. One launch only: no split-KV
-    partials, no padded O, no ALiBi slopes or dropout state."""
+    """A forward call's launches (a dense forward; a KV-cache call's append, forward and combine),
+    planned and packed once for the calls of one description: run_fwd_record launches them again
+    with a call's pointers. The split-KV partials are allocated per call, as run_fwd does."""
 
-    plan: FwdPlan
-    params: bytes       # FwdParams, pointers of the call that made the record
-    pack_gqa_group: int  # heads per KV head in a PackGQA Q map, else 1
+    launches: tuple[Launch, ...]
+    partials: tuple[int, int] | None  # elements of the partial O and LSE (split_partials), or None
 
 
-def run_fwd_record(record: FwdRecord, q, k, v, out, lse, index: int) -> None:
-    """run_fwd for a call of the record's description (q, k, v already in 16-byte chunks)."""
-    params = bytearray(record.params)
-    for offset, t in zip(_FWD_POINTER_OFFSETS, (q, k, v, out, lse)):
-        _POINTER.pack_into(params, offset, t.data_ptr())
-    plan = record.plan
-    if plan.spec.family == "sm90":
-        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, bytes(params), record.pack_gqa_group)
-    else:
-        packed = bytes(params)
-    launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
-                  dependent=plan.dependent_launch)
+class Capture:
+    """What a call that runs the full path launches, kept for a record of it (record_fwd):
+    run_fwd, launch_combine and kvcache's append add each launch with {pointer field: tensor}."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []  # (layout, {field: tensor or None}, Launch without pointers, maps)
+        self.partials: tuple | None = None  # (partial O, partial LSE, their elements) that run_fwd allocated
+        # False where the call did what a record does not repeat: more than its launches (a padded O
+        # copied out, partials filled) or params of per-call values (dropout's RNG offset).
+        self.replayable = True
+
+    def add(self, layout, pointers: dict, spec, smem_bytes: int, num_threads: int, grid, params: bytes,
+            dependent: bool = False, cluster=None, maps=None) -> None:
+        """A launch_kernel call's arguments (``params``: without the sm90 forward's tensor maps,
+        described by ``maps``: (block_m, block_n, group, (q, k, v)))."""
+        self.launches.append((layout, pointers, Launch(spec, smem_bytes, num_threads, grid, params, dependent,
+                                                       cluster, (), None), maps))
+
+
+_FIELD_OFFSETS = {id(layout): dict(zip((f.name for f in layout.fields), layout.offsets))
+                  for layout in params_mod.LAYOUTS.values()}
+_POINTER = struct.Struct("<Q")
+
+
+def record_fwd(capture: Capture, tensors: tuple) -> FwdRecord | None:
+    """A record of the launches ``capture`` kept, for later calls whose tensors come in the order
+    of ``tensors`` (this call's; None for an absent one), the partials after them. None where a
+    record would launch something else than the full path: a launch points to a tensor not
+    among them (a copy the full path made, a padded O), a tensor sits in two slots (which one a
+    later call's pointer comes from would be a guess: a caller that passes one twice must leave
+    its later slots None and key calls by it), or the capture is not replayable."""
+    if not capture.replayable or not capture.launches:
+        return None
+    partial_sizes = None
+    if capture.partials is not None:
+        *partials, partial_sizes = capture.partials
+        tensors = (*tensors, *partials)
+    slots = {}
+    for slot, t in enumerate(tensors):
+        if t is not None:
+            if id(t) in slots:
+                return None
+            slots[id(t)] = slot
+    launches = []
+    for layout, pointers, launch, maps in capture.launches:
+        offsets = _FIELD_OFFSETS[id(layout)]
+        patched = []
+        for name, t in pointers.items():
+            if t is not None:
+                if id(t) not in slots:
+                    return None
+                patched.append((offsets[name], slots[id(t)]))
+        if maps is not None:
+            *tiles, map_tensors = maps
+            if not all(id(t) in slots for t in map_tensors):
+                return None
+            maps = (*tiles, *(slots[id(t)] for t in map_tensors))
+        launches.append(launch._replace(pointers=tuple(patched), maps=maps))
+    return FwdRecord(tuple(launches), partial_sizes)
+
+
+def patch_pointers(params: bytes, pointers: tuple[tuple[int, int], ...], tensors: tuple) -> bytes:
+    """``params`` with the data pointer of tensors[slot] at each (offset, slot) of ``pointers``."""
+    buffer = bytearray(params)
+    for offset, slot in pointers:
+        _POINTER.pack_into(buffer, offset, tensors[slot].data_ptr())
+    return bytes(buffer)
+
+
+def run_fwd_record(record: FwdRecord, tensors: tuple, index: int) -> None:
+    """Launch a record for a call of its description: ``tensors`` in the recording call's order
+    (tensors[0]: q, on whose device the partials go), each where the kernels read it (16-byte
+    aligned: the caller checks what its key does not fix)."""
+    if record.partials is not None:
+        tensors = (*tensors, *split_partials(*record.partials, tensors[0].device))
+    for launch in record.launches:
+        params = patch_pointers(launch.params, launch.pointers, tensors)
+        if launch.maps is not None:
+            block_m, block_n, group, q, k, v = launch.maps
+            params = tma.sm90_fwd_params(tensors[q], tensors[k], tensors[v], block_m, block_n, params, group)
+        launch_kernel(launch.spec, launch.smem_bytes, launch.num_threads, launch.grid, params, index,
+                      dependent=launch.dependent, cluster=launch.cluster)

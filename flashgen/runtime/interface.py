@@ -11,10 +11,10 @@ from . import backward, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .dropout import NO_DROPOUT, draw_dropout, dropout_from_rng_state
-from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, pad_head_dim, run_fwd, run_fwd_record
+from .execute import HEAD_DIM_MULTIPLE, Capture, chunk_aligned, pad_head_dim, record_fwd, run_fwd, run_fwd_record
 
 # Launch records of dense forwards (execute.FwdRecord), by call description: a repeated call skips
-# planning and packing. Cleared when full (shapes seen in one process are few).
+# planning and packing. Cleared when full (shapes seen in one process are few); 0: none kept.
 _fwd_records: dict = {}
 _MAX_FWD_RECORDS = 256
 
@@ -33,12 +33,14 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     key = None
     if alibi_slopes is None and dropout_p <= 0:
         # Everything the plan and the packed params depend on but the pointers, whose alignment
-        # (16 bytes: the kernels' chunks and the TMA) is checked per call.
+        # (16 bytes: the kernels' chunks and the TMA) is checked per call; and which of q, k, v
+        # are one tensor (self-attention on one buffer): such a call's record reads it once.
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, softmax_scale,
-               causal, window_size, softcap, pack_gqa, num_splits, tuning.current(), config.forced_family())
+               causal, window_size, softcap, pack_gqa, num_splits, tuning.current(), config.forced_family(),
+               k is q, v is q, v is k)
         record = _fwd_records.get(key)
         if record is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-            run_fwd_record(record, q, k, v, out, lse, q.device.index)
+            run_fwd_record(record, (q, k, v, out, lse), q.device.index)
             return out, lse, NO_DROPOUT
     index = device_index(q)
     info = device_info(index)
@@ -55,15 +57,18 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
-    # A record only of a call that ran on its own tensors (copies: the next call's would be skipped).
-    recordable = key is not None and all(a is b for a, b in zip(inputs, (q, k, v)))
-    record = run_fwd(plan, q=q, k=k, v=v, out=out, lse=lse,
-                     softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k,
-                     dropout=dropout, record=recordable)
-    if record is not None and _MAX_FWD_RECORDS:
-        if len(_fwd_records) >= _MAX_FWD_RECORDS:
-            _fwd_records.clear()
-        _fwd_records[key] = record
+    capture = Capture() if key is not None and _MAX_FWD_RECORDS else None
+    run_fwd(plan, q=q, k=k, v=v, out=out, lse=lse,
+            softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k,
+            dropout=dropout, capture=capture)
+    if capture is not None:
+        # The caller's tensors (a copy of one: no record); one passed twice in its first slot only.
+        q, k, v = inputs
+        record = record_fwd(capture, (q, None if k is q else k, None if v is q or v is k else v, out, lse))
+        if record is not None:
+            if len(_fwd_records) >= _MAX_FWD_RECORDS:
+                _fwd_records.clear()
+            _fwd_records[key] = record
     return out, lse, dropout
 
 

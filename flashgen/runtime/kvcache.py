@@ -55,13 +55,48 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
+# Launch records of flash_attn_with_kvcache calls (execute.FwdRecord), by call description
+# (_kvcache_fwd's key): a repeated decode step skips planning and packing. Cleared when full, as
+# interface._fwd_records; 0: none kept.
+_kvcache_records: dict = {}
+_MAX_KVCACHE_RECORDS = 256
+
+
+def _described(t):
+    """An optional argument's part of a record key: a tensor's shape, strides and dtype; None; or,
+    for a number (cache_seqlens), that it is one: its value is data, made into a tensor per call."""
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.stride(), t.dtype
+    return "number"
+
+
 def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, softcap, rotary_interleaved, alibi_slopes, num_splits, pack_gqa,
                  call: validate.KVCacheCall):
-    """A validated flash_attn_with_kvcache call whose head dim is a multiple of 8: (out, softmax_lse)."""
+    """A validated flash_attn_with_kvcache call whose head dim is a multiple of 8: (out, softmax_lse).
+
+    A call of a description seen before launches the record its first call left (the key:
+    everything the plan and the launches' params depend on but the tensors' addresses). Both
+    paths run the value checks and make the per-call tensors alike (cache_seqlens from an int or
+    None, fp32 rotary tables, a contiguous block table, out, lse, the rotated q), and a record is
+    taken and made only with q and the caches 16-byte aligned (the kernels read the caches in
+    whole chunks, else copies; the plan's TMA check reads q's and their alignment)."""
     paged, page_size, capacity, cache_batch, seqlen_new, rotary_dim, window_size = call
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
+    check_inputs = config.check_inputs()
+    # v_cache has k_cache's shape, and the half tensors q's dtype (validate.kvcache);
+    # return_softmax_lse changes no launch.
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
+           _described(k), _described(v), _described(rotary_cos), _described(rotary_sin), _described(cache_seqlens),
+           _described(cache_batch_idx), _described(cache_leftpad), _described(block_table), _described(alibi_slopes),
+           softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, pack_gqa, check_inputs,
+           tuning.current(), config.forced_family())
+    aligned = not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16
+    record = _kvcache_records.get(key) if aligned else None
+
     if paged and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     if cache_seqlens is None:
@@ -72,7 +107,7 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         rotary_cos = rotary_cos.to(torch.float32).contiguous()
         rotary_sin = rotary_sin.to(torch.float32).contiguous()
 
-    if config.check_inputs():
+    if check_inputs:
         validate.kvcache_values(cache_seqlens, seqlen_new, capacity, cache_leftpad, block_table, page_size,
                                 cache_batch, cache_batch_idx, cache_batch)
 
@@ -80,7 +115,14 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if batch == 0 or seqlen_q == 0:
         return out, lse
+    q_rotated = torch.empty_like(q) if rotary_dim else None
+    # The call's tensors, a record's slots (q first: execute.run_fwd_record).
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes, out, lse, q_rotated)
     index = device_index(q)
+    if record is not None:
+        execute.run_fwd_record(record, tensors, index)
+        return out, lse
     info = device_info(index)
     plan = plan_fwd(
         dtype=q.dtype, head_dim=head_dim, batch=batch, seqlen_q=seqlen_q, seqlen_k=capacity,
@@ -99,43 +141,50 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     )
     validate.grid(plan, "k_cache")
 
-    q_attn = q
+    capture = execute.Capture() if aligned and _MAX_KVCACHE_RECORDS else None
+    q_attn = q if q_rotated is None else q_rotated
     if rotary_dim or seqlen_new:
-        q_attn = torch.empty_like(q) if rotary_dim else q
         _append_rotary(
             q, q_attn, k, v, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             block_table, rotary_dim=rotary_dim, seqlen_new=seqlen_new, capacity=capacity,
             cache_batch=cache_batch, page_size=page_size, interleaved=bool(rotary_interleaved),
             q_rotary_per_row=plan.spec.mask != "none", arch=plan.spec.arch, family=matrix.BASE_FAMILY,
-            index=index,
+            index=index, capture=capture,
         )
     run_fwd(
         plan, q=chunk_aligned(q_attn), k=chunk_aligned(k_cache), v=chunk_aligned(v_cache), out=out, lse=lse,
         softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=capacity,
         seqused_k=cache_seqlens, seqlen_k_new=seqlen_new, leftpad_k=cache_leftpad,
         kv_batch_idx=cache_batch_idx, block_table=block_table, page_size=page_size, kv_batch=cache_batch,
+        capture=capture,
     )
+    if capture is not None:
+        # None where the call ran on a copy, or passed one tensor as two arguments.
+        record = execute.record_fwd(capture, tensors)
+        if record is not None:
+            if len(_kvcache_records) >= _MAX_KVCACHE_RECORDS:
+                _kvcache_records.clear()
+            _kvcache_records[key] = record
     return out, lse
 
 
 def _append_rotary(q, q_out, k, v, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
                    block_table, *, rotary_dim, seqlen_new, capacity, cache_batch, page_size,
-                   interleaved, q_rotary_per_row, arch, family, index) -> None:
-    """Rotate q into q_out and append (rotated) k and v into the cache, in one launch."""
+                   interleaved, q_rotary_per_row, arch, family, index, capture=None) -> None:
+    """Rotate q into q_out and append (rotated) k and v into the cache, in one launch (kept in
+    ``capture`` too, when given: execute.Capture)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
     spec = KernelSpec("append", family, arch, dtype_name(q.dtype))
     rows_q = batch * seqlen_q * nheads if rotary_dim else 0
     rows_kv = batch * seqlen_new * nheads_k
     zero3 = (0, 0, 0)
-    values = dict(
-        q_ptr=q.data_ptr(), q_out_ptr=q_out.data_ptr(),
-        k_new_ptr=k.data_ptr() if k is not None else 0, v_new_ptr=v.data_ptr() if v is not None else 0,
-        k_cache_ptr=k_cache.data_ptr(), v_cache_ptr=v_cache.data_ptr(),
-        cos_ptr=cos.data_ptr() if cos is not None else 0, sin_ptr=sin.data_ptr() if sin is not None else 0,
-        cache_seqlens_ptr=cache_seqlens.data_ptr(),
-        cache_batch_idx_ptr=cache_batch_idx.data_ptr() if cache_batch_idx is not None else 0,
-        block_table_ptr=block_table.data_ptr() if block_table is not None else 0,
+    pointers = dict(
+        q_ptr=q, q_out_ptr=q_out, k_new_ptr=k, v_new_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, cos_ptr=cos,
+        sin_ptr=sin, cache_seqlens_ptr=cache_seqlens, cache_batch_idx_ptr=cache_batch_idx, block_table_ptr=block_table,
+    )
+    values = execute.addresses(pointers)
+    values.update(
         block_table_batch_stride=block_table.stride(0) if block_table is not None else 0,
         batch=batch, seqlen_q=seqlen_q if rotary_dim else 0, seqlen_new=seqlen_new,
         nheads=nheads, nheads_k=nheads_k, head_dim=head_dim, rotary_dim=rotary_dim,
@@ -146,7 +195,10 @@ def _append_rotary(q, q_out, k, v, k_cache, v_cache, cos, sin, cache_seqlens, ca
         strides = t.stride()[:3] if t is not None else zero3
         values.update({f"{prefix}_{n}_stride": s for n, s in zip(("batch", "row", "head"), strides)})
     grid = (max(1, -(-max(rows_q, rows_kv) // ROW_KERNEL_WARPS)), 3, 1)
-    execute.launch_kernel(spec, 0, ROW_KERNEL_WARPS * 32, grid, params_mod.pack(params_mod.APPEND_LAYOUT, values), index)
+    params = params_mod.pack(params_mod.APPEND_LAYOUT, values)
+    execute.launch_kernel(spec, 0, ROW_KERNEL_WARPS * 32, grid, params, index)
+    if capture is not None:
+        capture.add(params_mod.APPEND_LAYOUT, pointers, spec, 0, ROW_KERNEL_WARPS * 32, grid, params)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
