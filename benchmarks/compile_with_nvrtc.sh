@@ -5,6 +5,9 @@
 # The wheel's libnvrtc is preloaded, so cuda-bindings uses it; its cubins go to a cache of their own.
 #
 #     benchmarks/compile_with_nvrtc.sh 13.0.88 flash_bwd_sm90 [sm_90a]
+#
+# ptxas's register and spill lines: FLASHGEN_NVRTC_EXTRA_OPTIONS=-Xptxas=-v FLASHGEN_CLI_FLAGS=-v
+# (flashgen's info log prints each compile's NVRTC log).
 set -euo pipefail
 version=${1:?usage: compile_with_nvrtc.sh VERSION [FILTER] [ARCH]}
 filter=${2:-}
@@ -19,4 +22,4 @@ lib=$(dirname "$libnvrtc")
 export LD_PRELOAD="$libnvrtc $(find "$lib" -name 'libnvrtc-builtins.so.*' ! -name '*alt*' | head -1)"
 export LD_LIBRARY_PATH="$lib" FLASHGEN_CACHE_DIR="$dir/cache"
 python -c "from flashgen.generator import nvrtc; print('NVRTC', '.'.join(map(str, nvrtc.nvrtc_version())))"
-python -m flashgen build --arch "$arch" ${filter:+--filter "$filter"} -j "$(nproc)"
+python -m flashgen ${FLASHGEN_CLI_FLAGS:-} build --arch "$arch" ${filter:+--filter "$filter"} -j "$(nproc)"
