@@ -13,7 +13,8 @@ flash_fwd_sm90_hdim128_bf16_causal_sm90a(const __grid_constant__ flashgen::Sm90F
         /*kOverlap=*/true, /*kStageO=*/true, flashgen::Mask::Causal, /*kSoftcap=*/false,
         /*kPackGQA=*/false, /*kSplit=*/false, /*kPaged=*/false, /*kGather=*/false,
         /*kDropout=*/false,
-        /*kProducerRegs=*/24, /*kConsumerRegs=*/240>;
+        /*kProducerRegs=*/24, /*kConsumerRegs=*/240,
+        /*kConsumers=*/2>;
     static_assert(Traits::kNThreads == 384 && Traits::kBlockM == 128,
                   "threads or rows per tile: the kernel's and the host's (Sm90FwdTile) differ");
     static_assert(Traits::kSmemBytes == 164944, "shared memory: the kernel's layout and the host's request differ");

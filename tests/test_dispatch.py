@@ -496,19 +496,29 @@ def test_sm90_tiles_fit_and_match_the_kernel_layout():
     for head_dim in SM90_FWD_HEAD_DIMS:
         tile = fwd_tile("sm90", "sm_90a", head_dim)
         assert tile.smem_bytes(head_dim) <= smem_limit("sm_90a")
-        assert tile.block_m == 128 and tile.num_threads == 384 and tile.stages >= 2
-        # setmaxnreg: multiples of 8, and the three warpgroups within the 168 x 384 the launch allocates.
+        assert tile.block_m == 64 * tile.consumers and tile.num_threads == 128 * (tile.consumers + 1)
+        assert tile.consumers in (2, 3) and tile.stages >= 2
+        # setmaxnreg: multiples of 8, and the warpgroups within what the launch allocates (168 x 384,
+        # 128 x 512).
         regs = (tile.producer_registers, tile.consumer_registers)
-        assert all(r % 8 == 0 for r in regs) and 24 <= regs[0] and (regs[0] + 2 * regs[1]) * 128 <= 168 * 384
+        cap = 65536 // tile.num_threads // 8 * 8
+        assert all(r % 8 == 0 for r in regs) and 24 <= regs[0]
+        assert (regs[0] + tile.consumers * regs[1]) * 128 <= cap * tile.num_threads
     # The instance asserts the host's request against the kernel's own layout (kSmemBytes).
     source = render.render_instance(plan(sm90=True, head_dim=128).spec)
     assert f"Traits::kSmemBytes == {fwd_tile('sm90', 'sm_90a', 128).smem_bytes(128)}" in source
     with pytest.raises(ValueError, match="sm90"):
         fwd_tile("sm90", "sm_90a", 96)  # served by the d128 instance (dispatch.sm90_instance_head_dim)
     tile = fwd_tile("sm90", "sm_90a", 128)
-    assert f"/*kProducerRegs=*/{tile.producer_registers}, /*kConsumerRegs=*/{tile.consumer_registers}>" in source
+    assert (f"/*kProducerRegs=*/{tile.producer_registers}, /*kConsumerRegs=*/{tile.consumer_registers},\n"
+            f"        /*kConsumers=*/{tile.consumers}>") in source
     assert (Sm90FwdTile(128).producer_registers, Sm90FwdTile(128).consumer_registers) == (24, 240)
     assert Sm90FwdTile(128, producer_registers=40).consumer_registers == 232
+    # Three consumers (192 rows): 512 threads of 128 registers, 160 each for the consumers.
+    three = Sm90FwdTile(128, block_m=192)
+    assert (three.consumers, three.num_threads, three.consumer_registers) == (3, 512, 160)
+    with pytest.raises(ValueError, match="64 rows"):
+        Sm90FwdTile(128, block_m=256)
     with pytest.raises(ValueError, match="setmaxnreg"):
         Sm90FwdTile(128, producer_registers=36)
     # O staged in the tile's last K/V stage (kStageO): the tile's choice reaches the kernel, and a
@@ -616,7 +626,7 @@ def test_sm90_backward_tiles_and_widths():
         # Split columns and query rows leave no room for a dQ tile of its own: it lies in the step's
         # Q and dO panels.
         assert tile.dq_in_stage == (tile.split_columns or tile.query_rows)
-        assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.SM90_LAUNCH_REGISTERS
+        assert tile.consumer_registers * 2 + tile.producer_registers <= 3 * tiles.sm90_launch_registers()
         # Every wgmma N the kernel issues has a rendered wrapper.
         assert tile.mma_widths(head_dim) <= set(tiles.sm90_mma_widths())
     with pytest.raises(ValueError, match="sm90 family has no backward tile"):
@@ -811,3 +821,23 @@ def test_chunk_aligned_copies_a_contiguous_view_off_a_16_byte_boundary():
     assert copy.data_ptr() != view.data_ptr() and whole_chunks(copy) and torch.equal(copy, view)
     aligned = base[:-1].view(2, 64, 4, 64)  # the allocation's start: aligned
     assert whole_chunks(aligned) and chunk_aligned(aligned) is aligned
+
+
+def test_sm90_pack_gqa_group_divides_the_tiles_rows(monkeypatch):
+    """A packed tile's Q is one TMA box of block_m / G queries of G heads: a 192-row tile takes
+    groups up to 64 packed; a group of 128 divides 128-row tiles only, so there the sm80 family
+    serves it."""
+    from flashgen.generator import tiles
+    from flashgen.runtime import dispatch
+
+    monkeypatch.setitem(tiles._FWD_SM90, 64, tiles.Sm90FwdTile(128, stage_o=False, block_m=192))
+    dispatch.plan_fwd.cache_clear()
+    try:
+        packed64 = plan(sm90=True, head_dim=64, nheads=64, nheads_k=1, pack_gqa=True)
+        assert packed64.spec.family == "sm90" and packed64.spec.pack_gqa and packed64.tile.block_m == 192
+        d128 = plan(sm90=True, head_dim=128, nheads=128, nheads_k=1, pack_gqa=True)
+        assert d128.spec.family == "sm90" and d128.tile.block_m == 128
+        d64 = plan(sm90=True, head_dim=64, nheads=128, nheads_k=1, pack_gqa=True)
+        assert d64.spec.family == "sm80" and d64.spec.pack_gqa
+    finally:
+        dispatch.plan_fwd.cache_clear()

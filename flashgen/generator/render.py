@@ -92,6 +92,7 @@ def render_instance(spec: KernelSpec) -> str:
             split=_cpp_bool(spec.split), paged=_cpp_bool(spec.paged), gather=_cpp_bool(spec.gather),
             dropout=_cpp_bool(spec.dropout),
             producer_registers=tile.producer_registers, consumer_registers=tile.consumer_registers,
+            consumers=tile.consumers,
         )
     return _env().get_template("fwd_instance.cu.j2").render(
         **attention,

@@ -144,7 +144,8 @@ SM90_BLOCK_M = 128  # query rows of an sm90 forward tile: two consumer warpgroup
 
 class _Sm90Warpgroups:
     """What the sm90 tiles share (Sm90Warpgroups in sm90_common.cuh): a CTA of a producer warpgroup
-    and two consumer warpgroups, alone on its SM, and the registers each keeps after setmaxnreg."""
+    and `consumers` consumer warpgroups, alone on its SM, and the registers each keeps after
+    setmaxnreg."""
     producer_registers: int
     num_warps: int
 
@@ -155,9 +156,14 @@ class _Sm90Warpgroups:
                              f"consumers {consumer}")
 
     @property
+    def consumers(self) -> int:
+        """Consumer warpgroups (kConsumers): all but the producer."""
+        return self.num_warps // 4 - 1
+
+    @property
     def consumer_registers(self) -> int:
-        """What the two consumer warpgroups get of the launch's registers once the producer gave its away."""
-        return sm90_consumer_registers(self.producer_registers)
+        """What each consumer warpgroup gets of the launch's registers once the producer gave its away."""
+        return sm90_consumer_registers(self.producer_registers, self.consumers)
 
     @property
     def num_threads(self) -> int:
@@ -179,16 +185,21 @@ class Sm90FwdTile(_Sm90Warpgroups):
     # rather than straight from the accumulators; split instances store fp32 partials directly.
     stage_o: bool = True
     # Registers per thread after setmaxnreg: the producer warpgroup's, and each consumer's, which
-    # take the rest of the 168 x 384 the launch allocates (168: the cap for 384 threads, 1 CTA).
+    # take the rest of what the launch allocates (168 x 384 for two consumers, 128 x 512 for three).
     producer_registers: int = 24
-    block_m: int = SM90_BLOCK_M
-    num_warps: int = 12
+    block_m: int = SM90_BLOCK_M  # 64 rows per consumer warpgroup
 
     def __post_init__(self) -> None:
+        if self.block_m not in (128, 192):
+            raise ValueError(f"{self}: two or three consumer warpgroups of 64 rows")
         self._check_registers()
         if self.stage_o and 2 * self.block_n < self.block_m:
             raise ValueError(f"{self}: O's {self.block_m} rows are staged in one stage's K and V blocks, "
                              f"2 x {self.block_n} rows")
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * (self.block_m // 64 + 1)
 
     def smem_bytes(self, head_dim: int) -> int:
         """1 KB to align the swizzle atoms, Q, `stages` K and V blocks, 2 + 4 * stages mbarriers."""
@@ -196,15 +207,16 @@ class Sm90FwdTile(_Sm90Warpgroups):
         return 1024 + panels * 128 * (self.block_m + 2 * self.stages * self.block_n) + 8 * (2 + 4 * self.stages)
 
 
-# The per-thread register cap of a 384-thread CTA alone on an SM (__launch_bounds__(384, 1)): 65536
-# registers / 384 threads, rounded down to the allocation granule of 8.
-SM90_LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
+def sm90_launch_registers(consumers: int = 2) -> int:
+    """The per-thread register cap of an sm90 CTA alone on an SM (__launch_bounds__(threads, 1)): 65536
+    registers over the threads of its 1 + consumers warpgroups, rounded down to the granule of 8."""
+    return 65536 // (128 * (consumers + 1)) // 8 * 8
 
 
-def sm90_consumer_registers(producer_registers: int) -> int:
-    """Registers per thread of each of two consumer warpgroups once the producer warpgroup of an sm90
-    CTA (three warpgroups) has given its share down to producer_registers (setmaxnreg)."""
-    return (3 * SM90_LAUNCH_REGISTERS - producer_registers) // 2 // 8 * 8
+def sm90_consumer_registers(producer_registers: int, consumers: int = 2) -> int:
+    """Registers per thread of each consumer warpgroup once the producer warpgroup of an sm90 CTA
+    has given its share down to producer_registers (setmaxnreg)."""
+    return ((consumers + 1) * sm90_launch_registers(consumers) - producer_registers) // consumers // 8 * 8
 
 # (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice),
 # 256 at d64 (faster than 128 but for short causal calls; 192 slower), 96 at d192 (112 spills under

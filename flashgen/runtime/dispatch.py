@@ -373,6 +373,8 @@ def _plan_fwd_sm90(call: _FwdCall, pack: bool, decode: bool, num_splits: int) ->
     if sm90_head_dim is None:
         return None
     tile = fwd_tile("sm90", call.arch, sm90_head_dim, dropout=call.dropout)
+    if pack and tile.block_m % call.qhead_per_khead:
+        return None  # Q's TMA box is block_m / G queries of G heads (a 192-row tile and G = 128)
     # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
     # pad: the gather instance; pages of whole blocks: the TMA's.
     gather = call.paged and (call.leftpad or call.page_size <= 0 or call.page_size % tile.block_n != 0)

@@ -80,19 +80,19 @@ struct Sm90FwdParams {
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_, bool kStageO_, Mask kMask_, bool kSoftcap_,
           bool kPackGQA_, bool kSplit_, bool kPaged_, bool kGather_, bool kDropout_, int kProducerRegs_,
-          int kConsumerRegs_>
-struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
+          int kConsumerRegs_, int kConsumers_>
+struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_, kConsumers_> {
     using Element = Element_;
     using T = typename Element::storage;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+    static constexpr int kBlockM = 64 * kConsumers_;  // a consumer warpgroup's 64 rows each
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
     static constexpr Mask kMask = kMask_;
     static constexpr bool kSoftcap = kSoftcap_;  // scores through softcap * tanh(s / softcap)
     // A tile's rows are (query, head) pairs of one KV head's G = nheads / nheads_k query heads,
     // head fastest: packed row r is query r / G of head kv_head * G + r % G. Q arrives by one 5-D
-    // TMA box (64 columns, G heads, 128 / G queries), so G divides 128 (dispatch.sm90_covers).
+    // TMA box (64 columns, G heads, kBlockM / G queries), so G divides kBlockM (dispatch.sm90_covers).
     static constexpr bool kPackGQA = kPackGQA_;
     // Split-KV: a work unit is also one share of the key blocks, and writes fp32 partials. An
     // instance switch rather than a run-time one: each of two run-time forms cost calls without
@@ -119,7 +119,7 @@ struct Sm90FwdTraits : Sm90Warpgroups<kProducerRegs_, kConsumerRegs_> {
     static constexpr int kQBytes = kPanels * kPanelQBytes;
     static constexpr int kKVBytes = kPanels * kPanelKVBytes;  // one K or V block
     static constexpr int kBarriers = 2 + 4 * kStages;         // Q full and empty; full and empty, K and V, per stage
-    // O (bf16/fp16, 128 rows, Q's panel layout) staged in the tile's last K and V stage, which the
+    // O (bf16/fp16, kBlockM rows, Q's panel layout) staged in the tile's last K and V stage, which the
     // consumers release only after the epilogue (the tile table's choice, Sm90FwdTile.stage_o);
     // otherwise, and always for split's fp32 partials, stored straight from the accumulators.
     static constexpr bool kStageO = kStageO_ && !kSplit;

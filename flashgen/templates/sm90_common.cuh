@@ -11,16 +11,17 @@ struct alignas(64) TmaDescriptor {
     unsigned long long opaque[16];
 };
 
-// The CTA of both sm90 kernels: three warpgroups, a producer (warpgroup 0) and two consumers, and
-// the registers per thread each keeps after setmaxnreg (tiles.Sm90FwdTile / Sm90BwdTile): the
-// producer gives registers back to the pool the launch allocated (__launch_bounds__(384, 1)), the
-// consumers take them.
-template <int kProducerRegs_, int kConsumerRegs_>
+// The CTA of both sm90 kernels: a producer warpgroup (warpgroup 0) and kConsumers consumer
+// warpgroups (two, or three in a forward tile of 192 rows), and the registers per thread each keeps
+// after setmaxnreg (tiles.Sm90FwdTile / Sm90BwdTile): the producer gives registers back to the pool
+// the launch allocated (__launch_bounds__(kNThreads, 1)), the consumers take them.
+template <int kProducerRegs_, int kConsumerRegs_, int kConsumers_ = 2>
 struct Sm90Warpgroups {
-    static constexpr int kNThreads = 384;
-    static constexpr int kConsumerThreads = 256;
+    static constexpr int kConsumers = kConsumers_;
+    static constexpr int kNThreads = 128 * (kConsumers + 1);
+    static constexpr int kConsumerThreads = 128 * kConsumers;
     static constexpr int kProducerRegs = kProducerRegs_, kConsumerRegs = kConsumerRegs_;
-    static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= 65536 / kNThreads / 8 * 8 * kNThreads,
+    static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= 65536 / kNThreads / 8 * 8 * kNThreads,
                   "setmaxnreg: the warpgroups' registers exceed what the launch allocated");
 };
 
