@@ -1,16 +1,17 @@
 // The sm90 forward family (Hopper, compiled for sm_90a): FlashAttention's forward with the tensor
 // cores' warpgroup MMA (wgmma) and the TMA copy engine, warp-specialized.
 //
-// A CTA is persistent (one per SM): it loops over tiles of kBlockM = 128 query rows of one
-// (batch, head), or under PackGQA of one (batch, KV head), on a static, cost-balanced schedule
-// (below), and is three warpgroups:
+// A CTA is persistent (one per SM): it loops over tiles of kBlockM = 64 x kConsumers query rows
+// (128, or 192 with three consumers: the tile table's block_m) of one (batch, head), or under
+// PackGQA of one (batch, KV head), on a static, cost-balanced schedule (below), and is 1 +
+// kConsumers warpgroups:
 //   warpgroup 0, the producer: one thread issues TMA loads of each tile's Q and of the K and V
 //     blocks into a ring of kStages stages, each completing on its own mbarrier ("full"); it
-//     refills a stage once both consumers have released it (the "empty" mbarriers). The ring runs
+//     refills a stage once every consumer has released it (the "empty" mbarriers). The ring runs
 //     on across tiles: a tile's first K/V block is loaded before its Q, and its Q as soon as the
 //     consumers have finished the previous tile's last Q·Kᵀ, so the next tile's loads overlap
 //     this tile's last P·V and epilogue. It gives its registers away (setmaxnreg) to
-//   warpgroups 1 and 2, the consumers: each owns 64 query rows and, per key block,
+//   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows and, per key block,
 //     S = Q·Kᵀ (wgmma, both operands from shared memory), the online softmax on S in registers,
 //     O += P·V (wgmma, P from registers, V from shared memory, MN-major); with kOverlap, block j's
 //     P·V is issued with block j + 1's Q·Kᵀ and runs during block j + 1's softmax (the wait for it
