@@ -24,16 +24,10 @@ from flashgen.runtime import kvcache
 ROUNDS = 3
 
 
-@contextlib.contextmanager
 def records(enabled: bool):
-    saved = kvcache._MAX_KVCACHE_RECORDS
+    """Records on (fresh) or off (the full path)."""
     kvcache._kvcache_records.clear()
-    kvcache._MAX_KVCACHE_RECORDS = saved if enabled else 0
-    try:
-        yield
-    finally:
-        kvcache._MAX_KVCACHE_RECORDS = saved
-        kvcache._kvcache_records.clear()
+    return contextlib.nullcontext() if enabled else kvcache._kvcache_records.off()
 
 
 def randn(*shape: int) -> torch.Tensor:

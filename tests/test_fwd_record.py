@@ -26,7 +26,7 @@ def launches(monkeypatch, request):
                         cluster=None: seen.append((spec.uri, smem, threads, grid, params, dependent, cluster)))
     # A map that names its tensor: a reused map of another call's tensor would show.
     monkeypatch.setattr(tma, "tensor_map", lambda t, rows, group=1: struct.pack("<QQQ", t.data_ptr(), rows, group) + bytes(104))
-    monkeypatch.setattr(interface, "_fwd_records", {})
+    monkeypatch.setattr(interface, "_fwd_records", execute.LaunchRecords())
     return seen
 
 
@@ -44,14 +44,12 @@ def forward(q, k, v, causal=True, window=(-1, 0), softcap=0.0, alibi=None, pack_
 
 def full_path(monkeypatch, q, k, v, **options):
     """What the full path launches for this call (no record read or written)."""
-    monkeypatch.setattr(interface, "_fwd_records", {})
-    monkeypatch.setattr(interface, "_MAX_FWD_RECORDS", 0)
-    try:
+    kept = dict(interface._fwd_records)
+    with interface._fwd_records.off():
         result = forward(q, k, v, **options)
         assert interface._fwd_records == {}, "records off: none written"
-        return result
-    finally:
-        monkeypatch.setattr(interface, "_MAX_FWD_RECORDS", 256)
+    assert interface._fwd_records == kept, "and those kept before are kept after"
+    return result
 
 
 @pytest.mark.parametrize("launches", [HOPPER, AMPERE], indirect=True, ids=["sm90", "sm80"])

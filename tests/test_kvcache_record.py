@@ -10,6 +10,8 @@ tensors (arguments, outputs, split-KV partials) by theirs, the first call's by "
 int, converted rotary tables) by order of appearance."""
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import struct
 import typing
@@ -62,8 +64,8 @@ def device(monkeypatch, request):
                         lambda t, rows, group=1: struct.pack("<QQQ", t.data_ptr(), rows, group) + bytes(104))
     monkeypatch.setattr(tma, "_triples", type(tma._triples)())
     monkeypatch.setattr(validate, "_on_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(kvcache, "_kvcache_records", {})
-    monkeypatch.setattr(interface, "_fwd_records", {})
+    monkeypatch.setattr(kvcache, "_kvcache_records", execute.LaunchRecords())
+    monkeypatch.setattr(interface, "_fwd_records", execute.LaunchRecords())
     replay, split = execute.run_fwd_record, execute.split_partials
 
     def counted(*args):
@@ -186,15 +188,10 @@ def run(device: Device, x: dict, first: dict | None = None, records: bool = True
     """One call on ``x``, what it launched and whether it took a record; ``records=False``: the
     full path (no record read or written)."""
     start, hits, partials = len(device.launches), device.hits, len(device.partials)
-    saved = kvcache._kvcache_records, kvcache._MAX_KVCACHE_RECORDS
-    if not records:
-        kvcache._kvcache_records, kvcache._MAX_KVCACHE_RECORDS = {}, 0
-    try:
+    with contextlib.nullcontext() if records else kvcache._kvcache_records.off():
         out, lse = decode(x, **options)
         if not records:
             assert kvcache._kvcache_records == {}, "records off: none written"
-    finally:
-        kvcache._kvcache_records, kvcache._MAX_KVCACHE_RECORDS = saved
     named = names(first, None, None, (), "first:") if first is not None else {}
     named.update(names(x, out, lse, device.partials[partials:]))
     return Call(device.launches[start:], named, device.hits > hits)
@@ -260,7 +257,7 @@ def kinds(device_info: DeviceInfo, name: str, monkeypatch) -> list[str]:
     and "sm90" for the sm90 forward."""
     case, options = CASES[name]
     seen = Device()
-    monkeypatch.setattr(kvcache, "_kvcache_records", {})  # (a record is of one device, whose info is fixed)
+    monkeypatch.setattr(kvcache, "_kvcache_records", execute.LaunchRecords())  # (a record is of one device, whose info is fixed)
     monkeypatch.setattr(kvcache, "device_info", lambda index: device_info)
     monkeypatch.setattr(execute, "device_info", lambda index: device_info)
     monkeypatch.setattr(execute, "launch_kernel", lambda spec, *args, cluster=None, **kw: seen.launches.append(
@@ -466,11 +463,11 @@ def test_padded_head_dims(device, head_dim):
 
 
 def test_the_record_cache_is_bounded(device, monkeypatch):
-    monkeypatch.setattr(kvcache, "_MAX_KVCACHE_RECORDS", 2)
+    monkeypatch.setattr(kvcache._kvcache_records, "capacity", 2)
     for capacity in (256, 512, 1024):
         run(device, Case(capacity=capacity).tensors())
     assert len(kvcache._kvcache_records) == 1  # cleared when full
-    monkeypatch.setattr(kvcache, "_MAX_KVCACHE_RECORDS", 0)
+    monkeypatch.setattr(kvcache._kvcache_records, "capacity", 0)
     x = Case(capacity=128).tensors()
     run(device, x)
     assert not run(device, x).hit and len(kvcache._kvcache_records) == 1
@@ -495,15 +492,10 @@ def test_dense_forwards_record_through_the_same_launches(device, monkeypatch, nu
         """What a forward on q, k, v launches, named, and whether it took a record; records=False:
         the full path (no record read or written)."""
         start, partials, hits = len(device.launches), len(device.partials), device.hits
-        saved = interface._fwd_records
-        if not records:
-            monkeypatch.setattr(interface, "_fwd_records", {})
-            monkeypatch.setattr(interface, "_MAX_FWD_RECORDS", 0)
-        out, lse = forward(q, k, v)
-        if not records:
-            assert interface._fwd_records == {}
-            monkeypatch.setattr(interface, "_fwd_records", saved)
-            monkeypatch.setattr(interface, "_MAX_FWD_RECORDS", 256)
+        with contextlib.nullcontext() if records else interface._fwd_records.off():
+            out, lse = forward(q, k, v)
+            if not records:
+                assert interface._fwd_records == {}
         named = names(dict(q=q, k=k, v=v), out, lse, device.partials[partials:])
         return symbolic(device.launches[start:], named), device.hits > hits
 

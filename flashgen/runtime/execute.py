@@ -3,6 +3,7 @@ current stream, the split-KV combine, and the launch records that repeated forwa
 interface.py, backward.py and kvcache.py call it; it calls none of them."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
 import typing
@@ -301,6 +302,36 @@ class FwdRecord(typing.NamedTuple):
 
     launches: tuple[Launch, ...]
     partials: tuple[int, int] | None  # elements of the partial O and LSE (split_partials), or None
+
+
+class LaunchRecords(dict):
+    """One call site's records ({call description: FwdRecord}): cleared when full (the
+    descriptions one process sees are few); capacity 0 keeps none."""
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = capacity
+
+    def keep(self, key, record: FwdRecord | None) -> None:
+        if record is None or not self.capacity:
+            return
+        if len(self) >= self.capacity:
+            self.clear()
+        self[key] = record
+
+    @contextlib.contextmanager
+    def off(self):
+        """No record read or written inside (the full path, for benchmarks and tests); those kept
+        before are kept after."""
+        kept, capacity = dict(self), self.capacity
+        self.clear()
+        self.capacity = 0
+        try:
+            yield
+        finally:
+            self.clear()
+            self.update(kept)
+            self.capacity = capacity
 
 
 class Capture:

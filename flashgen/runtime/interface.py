@@ -11,12 +11,12 @@ from . import backward, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .dropout import NO_DROPOUT, draw_dropout, dropout_from_rng_state
-from .execute import HEAD_DIM_MULTIPLE, Capture, chunk_aligned, pad_head_dim, record_fwd, run_fwd, run_fwd_record
+from .execute import (HEAD_DIM_MULTIPLE, Capture, LaunchRecords, chunk_aligned, pad_head_dim, record_fwd, run_fwd,
+                      run_fwd_record)
 
 # Launch records of dense forwards (execute.FwdRecord), by call description: a repeated call skips
-# planning and packing. Cleared when full (shapes seen in one process are few); 0: none kept.
-_fwd_records: dict = {}
-_MAX_FWD_RECORDS = 256
+# planning and packing.
+_fwd_records = LaunchRecords()
 
 
 def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pack_gqa, num_splits,
@@ -57,18 +57,14 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     )
     validate.grid(plan)
     dropout = draw_dropout(dropout_p, index)
-    capture = Capture() if key is not None and _MAX_FWD_RECORDS else None
+    capture = Capture() if key is not None and _fwd_records.capacity else None
     run_fwd(plan, q=q, k=k, v=v, out=out, lse=lse,
             softmax_scale=softmax_scale, softcap=softcap, alibi_slopes=alibi_slopes, seqlen_k=seqlen_k,
             dropout=dropout, capture=capture)
     if capture is not None:
         # The caller's tensors (a copy of one: no record); one passed twice in its first slot only.
         q, k, v = inputs
-        record = record_fwd(capture, (q, None if k is q else k, None if v is q or v is k else v, out, lse))
-        if record is not None:
-            if len(_fwd_records) >= _MAX_FWD_RECORDS:
-                _fwd_records.clear()
-            _fwd_records[key] = record
+        _fwd_records.keep(key, record_fwd(capture, (q, None if k is q else k, None if v is q or v is k else v, out, lse)))
     return out, lse, dropout
 
 

@@ -56,10 +56,8 @@ def flash_attn_with_kvcache(
 
 
 # Launch records of flash_attn_with_kvcache calls (execute.FwdRecord), by call description
-# (_kvcache_fwd's key): a repeated decode step skips planning and packing. Cleared when full, as
-# interface._fwd_records; 0: none kept.
-_kvcache_records: dict = {}
-_MAX_KVCACHE_RECORDS = 256
+# (_kvcache_fwd's key): a repeated decode step skips planning and packing.
+_kvcache_records = execute.LaunchRecords()
 
 
 def _described(t):
@@ -141,7 +139,7 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     )
     validate.grid(plan, "k_cache")
 
-    capture = execute.Capture() if aligned and _MAX_KVCACHE_RECORDS else None
+    capture = execute.Capture() if aligned and _kvcache_records.capacity else None
     q_attn = q if q_rotated is None else q_rotated
     if rotary_dim or seqlen_new:
         _append_rotary(
@@ -159,12 +157,8 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         capture=capture,
     )
     if capture is not None:
-        # None where the call ran on a copy, or passed one tensor as two arguments.
-        record = execute.record_fwd(capture, tensors)
-        if record is not None:
-            if len(_kvcache_records) >= _MAX_KVCACHE_RECORDS:
-                _kvcache_records.clear()
-            _kvcache_records[key] = record
+        # (No record where the call ran on a copy, or passed one tensor as two arguments.)
+        _kvcache_records.keep(key, execute.record_fwd(capture, tensors))
     return out, lse
 
 
