@@ -91,12 +91,14 @@ def test_pack_gqa_rule():
     assert pack_gqa_for(**{**rule, "pack_gqa": True})
     assert not pack_gqa_for(**{**rule, "pack_gqa": False, "num_splits": 3})  # explicit wins
     assert not pack_gqa_for(**{**rule, "nheads": 8, "pack_gqa": True, "cc": 80})  # MHA never packs
-    # The sm90 family: the heuristic's packing for groups that divide its 128 rows, without dropout.
-    sm90 = {**rule, "seqlen_q": 1, "sm90": True}
+    # The sm90 family: the heuristic's packing for groups that divide its tile's rows, without dropout.
+    sm90 = {**rule, "seqlen_q": 1, "sm90_rows": 128}
     assert pack_gqa_for(**sm90) and not pack_gqa_for(**sm90, dropout=True)
     six = {**sm90, "nheads": 12, "nheads_k": 2}
-    assert not pack_gqa_for(**six) and pack_gqa_for(**{**six, "sm90": False})
+    assert not pack_gqa_for(**six) and pack_gqa_for(**{**six, "sm90_rows": 0})
     assert pack_gqa_for(**{**six, "pack_gqa": True})  # explicit: the sm80 family serves it (sm90_covers)
+    groups128 = {**sm90, "nheads": 128, "nheads_k": 1}
+    assert pack_gqa_for(**groups128) and not pack_gqa_for(**{**groups128, "sm90_rows": 192})  # 192 rows: 1.5 queries
 
 
 def test_plan_split_heuristic_packs_gqa():

@@ -12,7 +12,7 @@ import typing
 from ..generator import matrix
 from ..generator import tiles as tile_table
 from ..generator.spec import HEAD_DIMS, KernelSpec
-from ..generator.tiles import DECODE_MAX_ROWS, SM90_BLOCK_M, BwdTile, FwdTile, Sm90BwdTile, bwd_tile, fwd_tile
+from ..generator.tiles import DECODE_MAX_ROWS, BwdTile, FwdTile, Sm90BwdTile, Sm90FwdTile, bwd_tile, fwd_tile
 from . import heuristics
 from .tuning import DEFAULT as DEFAULT_TUNING
 from .tuning import Tuning
@@ -80,12 +80,12 @@ def sm90_instance_head_dim(head_dim: int) -> int | None:
     return next((d for d in matrix.SM90_FWD_HEAD_DIMS if head_dim <= d), None)
 
 
-def sm90_covers(*, seqlen_k: int, pack_gqa: bool, qhead_per_khead: int) -> bool:
+def sm90_covers(*, seqlen_k: int, pack_gqa: bool, qhead_per_khead: int, tile_rows: int) -> bool:
     """What the sm90 forward needs of a call, whatever instances exist (the matrix says which do:
     _plan_fwd_sm90 asks it): keys, as with none there is nothing for the TMA to map (the sm80
-    kernel writes the zeros and -inf lse), and with PackGQA a group that divides the 128 rows of a
-    tile (Q comes in one TMA box of 128 / G queries x G heads)."""
-    return seqlen_k > 0 and not (pack_gqa and SM90_BLOCK_M % qhead_per_khead)
+    kernel writes the zeros and -inf lse), and with PackGQA a group that divides the tile's
+    ``tile_rows`` (Q comes in one TMA box of tile_rows / G queries x G heads)."""
+    return seqlen_k > 0 and not (pack_gqa and tile_rows % qhead_per_khead)
 
 
 def resolve_mask(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int):
@@ -129,7 +129,7 @@ def _splits_with_keys(num_splits: int, n_blocks: int) -> int:
 
 
 def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, seqlen_q: int, block_m: int,
-                 varlen: bool, paged: bool, num_splits: int, sm90: bool = False, dropout: bool = False) -> bool:
+                 varlen: bool, paged: bool, num_splits: int, sm90_rows: int = 0, dropout: bool = False) -> bool:
     """Whether a forward call packs the query heads of a KV head into its tiles' rows (PackGQA).
 
     MHA never packs (one head per group: the packed kernel computes the same thing). An explicit
@@ -137,8 +137,9 @@ def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, 
     paged K/V and with split-KV, else where packing fills ``block_m``-row tiles better), and always
     where the unpacked query heads would not fit gridDim.y. ``num_splits`` is the split count as
     far as known: the caller's (0: the heuristic's, not chosen yet), then the chosen one, so that a
-    split-KV plan packs. The sm90 family (``sm90``) takes the heuristic's packing only for a group
-    that divides its 128-row tile and without dropout (no packed dropout instance); an explicit
+    split-KV plan packs. The sm90 family (``sm90_rows``: its tile's rows for the call, 0 for the
+    sm80 family) takes the heuristic's packing only for a group that divides them and without
+    dropout (no packed dropout instance); an explicit
     pack_gqa=True that it cannot serve goes to the sm80 family. (Decode over a pair of KV heads,
     FwdPlan.kv_head_group, packs their rows whatever this says, unless pack_gqa is False.)"""
     if nheads == nheads_k:
@@ -148,8 +149,8 @@ def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, 
     pack = heuristics.get_pack_gqa(
         cc, nheads, nheads_k, seqlen_q, block_m, varlen_q=varlen, paged_kv_without_tma=paged, num_splits=num_splits,
     ) or nheads > GRID_YZ_LIMIT
-    if sm90:
-        return pack and SM90_BLOCK_M % (nheads // nheads_k) == 0 and not dropout
+    if sm90_rows:
+        return pack and sm90_rows % (nheads // nheads_k) == 0 and not dropout
     return pack
 
 
@@ -255,11 +256,12 @@ def plan_fwd(
     pack = pack_rule(num_splits=num_splits)
     if dropout and paged:
         raise ValueError("dropout_p must be 0 with a paged K/V cache (no paged dropout instance)")
-    if allow_sm90:
+    sm90_tile = _sm90_fwd_tile(call) if allow_sm90 else None
+    if sm90_tile is not None:
         # Calls the sm80 family would run on its decode tile stay there (the sm90 family has none).
         decode = _is_decode(seqlen_q * group if pack else seqlen_q, dropout)
-        sm90_plan = _plan_fwd_sm90(call, pack_rule(num_splits=num_splits, sm90=True, dropout=dropout), decode,
-                                   num_splits)
+        sm90_pack = pack_rule(num_splits=num_splits, sm90_rows=sm90_tile.block_m, dropout=dropout)
+        sm90_plan = _plan_fwd_sm90(call, sm90_tile, sm90_pack, decode, num_splits)
         if sm90_plan is not None:
             return sm90_plan
     geometry = _sm80_geometry(call, pack, tuning)
@@ -361,20 +363,22 @@ def _sm80_plan(call: _FwdCall, g: _Sm80Geometry, num_splits: int, tuning: Tuning
                    g.kv_head_group)
 
 
-def _plan_fwd_sm90(call: _FwdCall, pack: bool, decode: bool, num_splits: int) -> FwdPlan | None:
-    """plan_fwd on the sm90 family, or None where it does not serve the call: what the call needs
-    of it (sm90_covers), an instance in the matrix for the call and its split count (dropout:
-    unsplit only), and the kernel's 32-bit counters. The sm80 family serves the rest. ``pack``:
-    pack_gqa_for's sm90 choice; ``decode``: the sm80 family would take its decode tile;
-    ``num_splits`` as plan_fwd takes it."""
-    if not sm90_covers(seqlen_k=call.seqlen_k, pack_gqa=pack, qhead_per_khead=call.qhead_per_khead):
+def _sm90_fwd_tile(call: _FwdCall) -> Sm90FwdTile | None:
+    """The sm90 forward tile of the instance that would serve the call; None above its head dims."""
+    sm90_head_dim = sm90_instance_head_dim(call.head_dim)
+    return None if sm90_head_dim is None else fwd_tile("sm90", call.arch, sm90_head_dim, dropout=call.dropout)
+
+
+def _plan_fwd_sm90(call: _FwdCall, tile: Sm90FwdTile, pack: bool, decode: bool, num_splits: int) -> FwdPlan | None:
+    """plan_fwd on the sm90 family with ``tile`` (_sm90_fwd_tile), or None where it does not serve
+    the call: what the call needs of it (sm90_covers), an instance in the matrix for the call and
+    its split count (dropout: unsplit only), and the kernel's 32-bit counters. The sm80 family
+    serves the rest. ``pack``: pack_gqa_for's sm90 choice; ``decode``: the sm80 family would take
+    its decode tile; ``num_splits`` as plan_fwd takes it."""
+    if not sm90_covers(seqlen_k=call.seqlen_k, pack_gqa=pack, qhead_per_khead=call.qhead_per_khead,
+                       tile_rows=tile.block_m):
         return None
     sm90_head_dim = sm90_instance_head_dim(call.head_dim)
-    if sm90_head_dim is None:
-        return None
-    tile = fwd_tile("sm90", call.arch, sm90_head_dim, dropout=call.dropout)
-    if pack and tile.block_m % call.qhead_per_khead:
-        return None  # Q's TMA box is block_m / G queries of G heads (a 192-row tile and G = 128)
     # Pages that split the tile's key blocks (or an unknown page size), or keys shifted by a left
     # pad: the gather instance; pages of whole blocks: the TMA's.
     gather = call.paged and (call.leftpad or call.page_size <= 0 or call.page_size % tile.block_n != 0)
