@@ -1,4 +1,4 @@
-"""Host time of an eager dense forward with and without its launch record (execute.FwdRecord),
+"""Host time of an eager dense forward with and without its launch record (execute.LaunchRecord),
 next to SDPA's cuDNN and flash backends, in one process.
 
     python benchmarks/host_fwd_record.py

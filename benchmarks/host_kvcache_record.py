@@ -1,5 +1,5 @@
 """Host time of an eager flash_attn_with_kvcache decode step with and without its launch record
-(execute.FwdRecord, kept in kvcache._kvcache_records), next to SDPA's cuDNN and flash backends, in
+(execute.LaunchRecord, kept in kvcache._kvcache_records), next to SDPA's cuDNN and flash backends, in
 one process.
 
     python benchmarks/host_kvcache_record.py

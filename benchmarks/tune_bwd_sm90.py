@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 import flashgen
 from flashgen.generator import cache, tiles, wgmma
-from flashgen.runtime import dispatch, interface, launch, tuning
+from flashgen.runtime import backward, dispatch, interface, launch, tuning
 
 _DEFAULT_TILES = {"tile": dict(tiles._BWD_SM90), "fwdtile": dict(tiles._FWD_SM90)}
 _TABLES = {"tile": tiles._BWD_SM90, "fwdtile": tiles._FWD_SM90}
@@ -82,6 +82,7 @@ def use_variant(variant: str) -> dict:
     dispatch.plan_bwd.cache_clear()
     dispatch.plan_fwd.cache_clear()
     interface._fwd_records.clear()  # a record holds its plan and kernel, keyed by neither
+    backward._bwd_records.clear()
     return changes
 
 
@@ -121,7 +122,6 @@ def graph_ms(q, k, v, dout, causal, deterministic, changes, direction="bwd", rep
              dropout_p=0.0) -> float:
     """Median ms of one backward (its three kernels) or forward replayed from a CUDA graph, planned
     with the variant's tuning changes."""
-    from flashgen.runtime import backward
     from flashgen.runtime.dropout import DropoutState
 
     dropout = DropoutState(dropout_p, 1234, 0) if dropout_p > 0 else None

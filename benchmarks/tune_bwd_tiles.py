@@ -16,7 +16,7 @@ import triton.testing
 
 import flashgen
 from flashgen.generator import cache, matrix, tiles
-from flashgen.runtime import dispatch, launch
+from flashgen.runtime import backward, dispatch, launch
 
 # (warps, block_m, d_slices, most Q/dO stages, 32-key warp groups or 0 for warps / 2, dQ tile):
 # bwd_tile gives each the dQ tile (sm_90 targets) and the most stages that fit next to it.
@@ -56,6 +56,7 @@ def main() -> None:
             launch._loaded.clear()  # the memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
             dispatch.plan_bwd.cache_clear()
+            backward._bwd_records.clear()  # a record holds its plan, keyed without the tile tables
             try:
                 tflops = measure(head_dim, causal, args.seqlen)
                 chosen = tiles.bwd_tile("sm80", matrix.target_arch(*torch.cuda.get_device_capability()), head_dim)

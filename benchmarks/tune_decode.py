@@ -17,7 +17,7 @@ import statistics
 
 from flashgen.bench import peers, suites, timing
 from flashgen.generator import cache, tiles
-from flashgen.runtime import dispatch, launch, tuning
+from flashgen.runtime import dispatch, interface, kvcache, launch, tuning
 
 SHAPES = {  # name -> (batch, keys, query tokens)
     "b1-s2k": (1, 2048, 1),
@@ -174,6 +174,8 @@ def main() -> None:
         launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
         cache._cubins.clear()
         dispatch.plan_fwd.cache_clear()
+        interface._fwd_records.clear()  # records hold their plans, keyed without the tile tables
+        kvcache._kvcache_records.clear()
 
     results: dict[tuple[str, str], list[float]] = {}  # (label, shape) -> us of each round
 

@@ -15,7 +15,7 @@ import triton.testing
 import flashgen
 from flashgen.generator import tiles
 from flashgen.generator import cache
-from flashgen.runtime import dispatch, launch
+from flashgen.runtime import dispatch, interface, launch
 
 CANDIDATES = {
     64: [(128, 64, 4), (128, 128, 4), (64, 64, 4), (128, 128, 8)],
@@ -49,6 +49,7 @@ def main() -> None:
             launch._loaded.clear()  # these memos are keyed by spec or shape, which the tile is not part of
             cache._cubins.clear()
             dispatch.plan_fwd.cache_clear()
+            interface._fwd_records.clear()  # a record holds its plan, keyed without the tile tables
             try:
                 tflops = measure(head_dim, causal, args.seqlen, dtype)
                 print(f"d{head_dim} causal={int(causal)} tile {block_m}x{block_n} w{warps}: {tflops:6.1f} TFLOP/s", flush=True)

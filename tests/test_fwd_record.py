@@ -1,4 +1,4 @@
-"""CPU tier: a repeated dense forward takes its launch record (execute.FwdRecord) and launches
+"""CPU tier: a repeated dense forward takes its launch record (execute.LaunchRecord) and launches
 exactly what the full path would: same kernel, grid, shared memory and params bytes, with the new
 call's pointers and tensor maps. No GPU: the device, tensor maps and launches are stand-ins."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """CPU tier: a repeated flash_attn_with_kvcache call takes the launch record its first call left
-(execute.FwdRecord, in kvcache._kvcache_records) and launches exactly what the full path launches
+(execute.LaunchRecord, in kvcache._kvcache_records) and launches exactly what the full path launches
 for its tensors: the append, the forward and the split-KV combine, in order, with the same
 kernels, grids, shared memory, threads, flags and params bytes, the pointers being the call's.
 No GPU: the device, tensor maps and launches are stand-ins, and the tensors live on the CPU.
@@ -66,7 +66,7 @@ def device(monkeypatch, request):
     monkeypatch.setattr(validate, "_on_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(kvcache, "_kvcache_records", execute.LaunchRecords())
     monkeypatch.setattr(interface, "_fwd_records", execute.LaunchRecords())
-    replay, split = execute.run_fwd_record, execute.split_partials
+    replay, split = execute.run_record, execute.split_partials
 
     def counted(*args):
         seen.hits += 1
@@ -76,8 +76,8 @@ def device(monkeypatch, request):
         seen.partials.append(split(*args))
         return seen.partials[-1]
 
-    monkeypatch.setattr(execute, "run_fwd_record", counted)
-    monkeypatch.setattr(interface, "run_fwd_record", counted)
+    monkeypatch.setattr(execute, "run_record", counted)
+    monkeypatch.setattr(interface, "run_record", counted)
     monkeypatch.setattr(execute, "split_partials", kept)
     return seen
 
@@ -477,7 +477,7 @@ def test_the_record_cache_is_bounded(device, monkeypatch):
 @pytest.mark.parametrize("num_splits, shape", [(4, (1, 1, 2048, 16, 4, 128)), (3, (2, 64, 1000, 8, 8, 64)),
                                                (16, (1, 1, 4096, 8, 8, 128)), (1, (2, 128, 128, 4, 4, 64))])
 def test_dense_forwards_record_through_the_same_launches(device, monkeypatch, num_splits, shape):
-    """flash_attn_func's record is the same FwdRecord: split-KV with its partials and combine too."""
+    """flash_attn_func's record is the same LaunchRecord: split-KV with its partials and combine too."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = shape
 
     def forward(q, k, v):

@@ -1,5 +1,5 @@
 """Executing a plan: tensors in the layouts the kernels read, Params packing and launching on the
-current stream, the split-KV combine, and the launch records that repeated forward calls replay.
+current stream, the split-KV combine, and the launch records that repeated calls replay.
 interface.py, backward.py and kvcache.py call it; it calls none of them."""
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def run_fwd(
     Dense: q (batch, seqlen_q, nheads, d), lse (batch, nheads, seqlen_q). Varlen (cu_seqlens_q):
     q (total_q, nheads, d), lse (nheads, total_q); ``seqlen_k`` is then the K/V rows (or the paged
     capacity) that reads never pass, and ``max_seqlen_q`` the longest sequence's query rows.
-    ``capture``: keep the launches there too, for a record of the call (record_fwd)."""
+    ``capture``: keep the launches there too, for a record of the call (record_launches)."""
     nheads, head_dim = q.shape[-2], q.shape[-1]
     nheads_k = k.shape[-2]
     if cu_seqlens_q is not None:
@@ -189,12 +189,12 @@ def run_fwd(
     has_softcap = softcap > 0
     splits = plan.num_splits
     if splits > 1 and not plan.merge_in_cluster:
-        partial_sizes = (splits * partial_rows * nheads * head_dim, splits * partial_rows * nheads)
-        oaccum, lseaccum = split_partials(*partial_sizes, q.device)
+        partials = Scratch(split_partials, (splits * partial_rows * nheads * head_dim, splits * partial_rows * nheads))
+        oaccum, lseaccum = partials.make(q.device)
         if seqused_q is not None:
             lseaccum.fill_(-float("inf"))  # rows past seqused_q: no split writes them, the combine gives 0
         if capture is not None:
-            capture.partials = (oaccum, lseaccum, partial_sizes)
+            capture.scratch = (partials, (oaccum, lseaccum))
     else:
         oaccum = lseaccum = None
     index = device_index(q)
@@ -240,8 +240,10 @@ def run_fwd(
     packed, maps = fwd_params, None
     if plan.spec.family == "sm90":  # the TMA maps of Q, K, V before the FwdParams
         group = nheads // nheads_k if plan.spec.pack_gqa else 1
-        packed = tma.sm90_fwd_params(q, k, v, plan.tile.block_m, plan.tile.block_n, fwd_params, group)
-        maps = (plan.tile.block_m, plan.tile.block_n, group, (q, k, v))
+        block_m, block_n = plan.tile.block_m, plan.tile.block_n
+        maps = TensorMaps(lambda q, k, v, params: tma.sm90_fwd_params(q, k, v, block_m, block_n, params, group),
+                          (q, k, v))
+        packed = maps.prepend(q, k, v, fwd_params)
     launch_kernel(plan.spec, plan.smem_bytes, plan.tile.num_threads, plan.grid, packed, index,
                   dependent=plan.dependent_launch, cluster=cluster)
     if capture is not None:
@@ -265,7 +267,7 @@ def run_fwd(
 
 def split_partials(o_elems: int, lse_elems: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-KV forward's fp32 partial O and LSE (elements of each), in one allocation (an
-    allocation is several microseconds): allocated per call, by run_fwd and by run_fwd_record."""
+    allocation is several microseconds): allocated per call (a Scratch), by run_fwd and by run_record."""
     scratch = torch.empty(o_elems + lse_elems, dtype=torch.float32, device=device)
     return scratch[:o_elems], scratch[o_elems:]
 
@@ -274,8 +276,41 @@ def split_partials(o_elems: int, lse_elems: int, device) -> tuple[torch.Tensor, 
 # Launch records: a repeated call of one description (its caller's key: everything the plans and
 # the params depend on but the tensors' addresses) launches what its first call launched, each
 # params buffer copied with the new call's pointers written in. The first call runs the full path
-# with a Capture, which keeps each launch with the tensors its pointer fields came from; record_fwd
-# turns those tensors into slots of the caller's tuple of per-call tensors.
+# with a Capture, which keeps each launch with the tensors its pointer fields came from;
+# record_launches turns those tensors into slots of the caller's tuple of per-call tensors. Used by
+# the dense forward (interface._fwd), flash_attn_with_kvcache (kvcache) and the backward (backward).
+
+
+def described(t):
+    """An optional argument's part of a record key: a tensor's shape, strides and dtype; None; or,
+    for a number (kvcache's cache_seqlens), that it is one: its value is data, made into a tensor
+    per call."""
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.stride(), t.dtype
+    return "number"
+
+
+class TensorMaps(typing.NamedTuple):
+    """The TMA maps an sm90 kernel reads before its params, made per call from the call's tensors
+    (tma memoizes them by address): the launch's params are prepend(*tensors, params).
+    ``tensors``: the call's (Capture.add), or their slots in a record's tensors (Launch)."""
+
+    prepend: typing.Callable[..., bytes]
+    tensors: tuple
+
+
+class Scratch(typing.NamedTuple):
+    """Buffers a call's kernels need and nobody keeps (split-KV partials, the backward's dQ
+    accumulator, ...), allocated per call by the full path and by a record alike:
+    allocate(*sizes, device) returns them (None for one the call does without)."""
+
+    allocate: typing.Callable[..., tuple]
+    sizes: tuple
+
+    def make(self, device) -> tuple:
+        return self.allocate(*self.sizes, device)
 
 
 class Launch(typing.NamedTuple):
@@ -290,29 +325,28 @@ class Launch(typing.NamedTuple):
     dependent: bool
     cluster: tuple[int, int, int] | None
     pointers: tuple[tuple[int, int], ...]  # (offset in params, slot in the call's tensors)
-    # The sm90 forward: (block_m, block_n, PackGQA group, Q's slot, K's, V's) of the tensor maps put
-    # before its params (tma.sm90_fwd_params), made per call from the memo; None for the rest.
-    maps: tuple[int, int, int, int, int, int] | None
+    maps: TensorMaps | None  # the sm90 kernels' maps before params (slots of their tensors); None for the rest
 
 
-class FwdRecord(typing.NamedTuple):
-    """A forward call's launches (a dense forward; a KV-cache call's append, forward and combine),
-    planned and packed once for the calls of one description: run_fwd_record launches them again
-    with a call's pointers. The split-KV partials are allocated per call, as run_fwd does."""
+class LaunchRecord(typing.NamedTuple):
+    """A call's launches (a dense forward; a KV-cache call's append, forward and combine; a
+    backward's preprocess, main kernel and postprocess), planned and packed once for the calls of
+    one description: run_record launches them again with a call's pointers, after allocating
+    its scratch as the full path does."""
 
     launches: tuple[Launch, ...]
-    partials: tuple[int, int] | None  # elements of the partial O and LSE (split_partials), or None
+    scratch: Scratch | None  # made per call; its tensors take the slots after the call's
 
 
 class LaunchRecords(dict):
-    """One call site's records ({call description: FwdRecord}): cleared when full (the
+    """One call site's records ({call description: LaunchRecord}): cleared when full (the
     descriptions one process sees are few); capacity 0 keeps none."""
 
     def __init__(self, capacity: int = 256):
         super().__init__()
         self.capacity = capacity
 
-    def keep(self, key, record: FwdRecord | None) -> None:
+    def keep(self, key, record: LaunchRecord | None) -> None:
         if record is None or not self.capacity:
             return
         if len(self) >= self.capacity:
@@ -335,20 +369,20 @@ class LaunchRecords(dict):
 
 
 class Capture:
-    """What a call that runs the full path launches, kept for a record of it (record_fwd):
-    run_fwd, launch_combine and kvcache's append add each launch with {pointer field: tensor}."""
+    """What a call that runs the full path launches, kept for a record of it (record_launches):
+    each launch with {pointer field: tensor}, added by the code that launches it."""
 
     def __init__(self) -> None:
         self.launches: list[tuple] = []  # (layout, {field: tensor or None}, Launch without pointers, maps)
-        self.partials: tuple | None = None  # (partial O, partial LSE, their elements) that run_fwd allocated
+        self.scratch: tuple[Scratch, tuple] | None = None  # the call's Scratch and the tensors it made
         # False where the call did what a record does not repeat: more than its launches (a padded O
         # copied out, partials filled) or params of per-call values (dropout's RNG offset).
         self.replayable = True
 
     def add(self, layout, pointers: dict, spec, smem_bytes: int, num_threads: int, grid, params: bytes,
-            dependent: bool = False, cluster=None, maps=None) -> None:
-        """A launch_kernel call's arguments (``params``: without the sm90 forward's tensor maps,
-        described by ``maps``: (block_m, block_n, group, (q, k, v)))."""
+            dependent: bool = False, cluster=None, maps: TensorMaps | None = None) -> None:
+        """A launch_kernel call's arguments (``params``: without the TMA maps that ``maps``, of
+        the call's tensors, puts before them)."""
         self.launches.append((layout, pointers, Launch(spec, smem_bytes, num_threads, grid, params, dependent,
                                                        cluster, (), None), maps))
 
@@ -358,19 +392,19 @@ _FIELD_OFFSETS = {id(layout): dict(zip((f.name for f in layout.fields), layout.o
 _POINTER = struct.Struct("<Q")
 
 
-def record_fwd(capture: Capture, tensors: tuple) -> FwdRecord | None:
+def record_launches(capture: Capture, tensors: tuple) -> LaunchRecord | None:
     """A record of the launches ``capture`` kept, for later calls whose tensors come in the order
-    of ``tensors`` (this call's; None for an absent one), the partials after them. None where a
+    of ``tensors`` (this call's; None for an absent one), the scratch after them. None where a
     record would launch something else than the full path: a launch points to a tensor not
     among them (a copy the full path made, a padded O), a tensor sits in two slots (which one a
     later call's pointer comes from would be a guess: a caller that passes one twice must leave
     its later slots None and key calls by it), or the capture is not replayable."""
     if not capture.replayable or not capture.launches:
         return None
-    partial_sizes = None
-    if capture.partials is not None:
-        *partials, partial_sizes = capture.partials
-        tensors = (*tensors, *partials)
+    scratch = None
+    if capture.scratch is not None:
+        scratch, made = capture.scratch
+        tensors = (*tensors, *made)
     slots = {}
     for slot, t in enumerate(tensors):
         if t is not None:
@@ -387,12 +421,11 @@ def record_fwd(capture: Capture, tensors: tuple) -> FwdRecord | None:
                     return None
                 patched.append((offsets[name], slots[id(t)]))
         if maps is not None:
-            *tiles, map_tensors = maps
-            if not all(id(t) in slots for t in map_tensors):
+            if not all(id(t) in slots for t in maps.tensors):
                 return None
-            maps = (*tiles, *(slots[id(t)] for t in map_tensors))
+            maps = maps._replace(tensors=tuple(slots[id(t)] for t in maps.tensors))
         launches.append(launch._replace(pointers=tuple(patched), maps=maps))
-    return FwdRecord(tuple(launches), partial_sizes)
+    return LaunchRecord(tuple(launches), scratch)
 
 
 def patch_pointers(params: bytes, pointers: tuple[tuple[int, int], ...], tensors: tuple) -> bytes:
@@ -403,16 +436,19 @@ def patch_pointers(params: bytes, pointers: tuple[tuple[int, int], ...], tensors
     return bytes(buffer)
 
 
-def run_fwd_record(record: FwdRecord, tensors: tuple, index: int) -> None:
+def run_record(record: LaunchRecord, tensors: tuple, index: int) -> None:
     """Launch a record for a call of its description: ``tensors`` in the recording call's order
-    (tensors[0]: q, on whose device the partials go), each where the kernels read it (16-byte
-    aligned: the caller checks what its key does not fix)."""
-    if record.partials is not None:
-        tensors = (*tensors, *split_partials(*record.partials, tensors[0].device))
+    (tensors[0] on the device the scratch goes to), each where the kernels read it (16-byte
+    aligned: the caller checks what its key does not fix). Every params buffer is made before the
+    first launch, so that the kernels are enqueued back to back."""
+    if record.scratch is not None:
+        tensors = (*tensors, *record.scratch.make(tensors[0].device))
+    packed = []
     for launch in record.launches:
         params = patch_pointers(launch.params, launch.pointers, tensors)
         if launch.maps is not None:
-            block_m, block_n, group, q, k, v = launch.maps
-            params = tma.sm90_fwd_params(tensors[q], tensors[k], tensors[v], block_m, block_n, params, group)
+            params = launch.maps.prepend(*[tensors[slot] for slot in launch.maps.tensors], params)
+        packed.append(params)
+    for launch, params in zip(record.launches, packed):
         launch_kernel(launch.spec, launch.smem_bytes, launch.num_threads, launch.grid, params, index,
                       dependent=launch.dependent, cluster=launch.cluster)

@@ -11,10 +11,10 @@ from . import backward, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import FwdPlan, plan_fwd
 from .dropout import NO_DROPOUT, draw_dropout, dropout_from_rng_state
-from .execute import (HEAD_DIM_MULTIPLE, Capture, LaunchRecords, chunk_aligned, pad_head_dim, record_fwd, run_fwd,
-                      run_fwd_record)
+from .execute import (HEAD_DIM_MULTIPLE, Capture, LaunchRecords, chunk_aligned, pad_head_dim, record_launches,
+                      run_fwd, run_record)
 
-# Launch records of dense forwards (execute.FwdRecord), by call description: a repeated call skips
+# Launch records of dense forwards (execute.LaunchRecord), by call description: a repeated call skips
 # planning and packing.
 _fwd_records = LaunchRecords()
 
@@ -40,7 +40,7 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
                k is q, v is q, v is k)
         record = _fwd_records.get(key)
         if record is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-            run_fwd_record(record, (q, k, v, out, lse), q.device.index)
+            run_record(record, (q, k, v, out, lse), q.device.index)
             return out, lse, NO_DROPOUT
     index = device_index(q)
     info = device_info(index)
@@ -64,7 +64,8 @@ def _fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, pac
     if capture is not None:
         # The caller's tensors (a copy of one: no record); one passed twice in its first slot only.
         q, k, v = inputs
-        _fwd_records.keep(key, record_fwd(capture, (q, None if k is q else k, None if v is q or v is k else v, out, lse)))
+        tensors = (q, None if k is q else k, None if v is q or v is k else v, out, lse)
+        _fwd_records.keep(key, record_launches(capture, tensors))
     return out, lse, dropout
 
 

@@ -12,7 +12,7 @@ from ..generator.tiles import DECODE_MAX_ROWS, ROW_KERNEL_WARPS
 from . import execute, tma, tuning, validate
 from .device import device_index, device_info
 from .dispatch import dtype_name, plan_fwd
-from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, launch_combine, pad_head_dim, run_fwd
+from .execute import HEAD_DIM_MULTIPLE, chunk_aligned, described, launch_combine, pad_head_dim, run_fwd
 
 
 def flash_attn_with_kvcache(
@@ -55,19 +55,9 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
-# Launch records of flash_attn_with_kvcache calls (execute.FwdRecord), by call description
+# Launch records of flash_attn_with_kvcache calls (execute.LaunchRecord), by call description
 # (_kvcache_fwd's key): a repeated decode step skips planning and packing.
 _kvcache_records = execute.LaunchRecords()
-
-
-def _described(t):
-    """An optional argument's part of a record key: a tensor's shape, strides and dtype; None; or,
-    for a number (cache_seqlens), that it is one: its value is data, made into a tensor per call."""
-    if t is None:
-        return None
-    if isinstance(t, torch.Tensor):
-        return t.shape, t.stride(), t.dtype
-    return "number"
 
 
 def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -88,8 +78,8 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     # v_cache has k_cache's shape, and the half tensors q's dtype (validate.kvcache);
     # return_softmax_lse changes no launch.
     key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(),
-           _described(k), _described(v), _described(rotary_cos), _described(rotary_sin), _described(cache_seqlens),
-           _described(cache_batch_idx), _described(cache_leftpad), _described(block_table), _described(alibi_slopes),
+           described(k), described(v), described(rotary_cos), described(rotary_sin), described(cache_seqlens),
+           described(cache_batch_idx), described(cache_leftpad), described(block_table), described(alibi_slopes),
            softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, pack_gqa, check_inputs,
            tuning.current(), config.forced_family())
     aligned = not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16
@@ -114,12 +104,12 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if batch == 0 or seqlen_q == 0:
         return out, lse
     q_rotated = torch.empty_like(q) if rotary_dim else None
-    # The call's tensors, a record's slots (q first: execute.run_fwd_record).
+    # The call's tensors, a record's slots (q first: execute.run_record).
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes, out, lse, q_rotated)
     index = device_index(q)
     if record is not None:
-        execute.run_fwd_record(record, tensors, index)
+        execute.run_record(record, tensors, index)
         return out, lse
     info = device_info(index)
     plan = plan_fwd(
@@ -158,7 +148,7 @@ def _kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     )
     if capture is not None:
         # (No record where the call ran on a copy, or passed one tensor as two arguments.)
-        _kvcache_records.keep(key, execute.record_fwd(capture, tensors))
+        _kvcache_records.keep(key, execute.record_launches(capture, tensors))
     return out, lse
 
 
