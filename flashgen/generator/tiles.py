@@ -219,15 +219,17 @@ def sm90_consumer_registers(producer_registers: int, consumers: int = 2) -> int:
     return ((consumers + 1) * sm90_launch_registers(consumers) - producer_registers) // consumers // 8 * 8
 
 # (head_dim) -> sm90 forward tile: 128-key blocks at d128 (FlashAttention-3's causal d128 choice),
-# 256 at d64 (faster than 128 but for short causal calls; 192 slower), 96 at d192 (112 spills under
-# softcap) and 64 at d256, so that two stages fit in 227 KB; the P·V overlap pays from d128, not
-# at d64. The producer keeps 24 registers (40 is slower at d64/d128; d256's consumers need 240).
-# O goes through shared memory from d128 (its direct stores took 2.6-5.6 µs a tile); at d64 they
-# take 0.8 µs, and holding a 256-key stage until the epilogue delays the next tile's second block
-# (0.92-0.94x at s1k) (measurements: benchmarks/results/tuning_history_h200.md and
-# 20261202-nvidia-h200-sm90-fwd-epilogue).
+# 96 at d192 (112 spills under softcap) and 64 at d256, so that two stages fit in 227 KB; the P·V
+# overlap pays from d128, not at d64. d64: three consumer warpgroups of 64 rows on 128-key blocks
+# (1.03x the two-consumer 128 x 256 tile over 1k-16k tokens, 1.10-1.14x at 16k, but 0.92-0.95x at
+# 1k causal, where the 192-row blocks pad 1024 rows to 1152; with the overlap 1.01x:
+# benchmarks/results/20261207-nvidia-h100-sm90-bwd-source-counters). The producer keeps 24 registers
+# (40 is slower at d64/d128; d256's consumers need 240). O goes through shared memory from d128
+# (its direct stores took 2.6-5.6 µs a tile); at d64 they take 0.8 µs, and holding a stage until the
+# epilogue delays the next tile's second block (0.92-0.94x at s1k) (measurements:
+# benchmarks/results/tuning_history_h200.md and 20261202-nvidia-h200-sm90-fwd-epilogue).
 _FWD_SM90 = {
-    64: Sm90FwdTile(256, overlap=False, stage_o=False),
+    64: Sm90FwdTile(128, overlap=False, stage_o=False, block_m=192),
     128: Sm90FwdTile(128),
     192: Sm90FwdTile(96),
     256: Sm90FwdTile(64),
