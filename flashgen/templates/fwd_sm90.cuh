@@ -24,7 +24,7 @@
 // in shared memory (clear_v_tail) so that P = 0 times them stays 0.
 //
 // Masks (causal, local), softcap and ALiBi come from common.cuh and the sequences' rows (varlen,
-// seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide 128; head dims
+// seqused) from seq_extent.cuh, as in the sm80 family; PackGQA for groups that divide kBlockM; head dims
 // 64/128/192/256, and those between on the next one up (TMA zero fill; run_fwd pads O). Split-KV:
 // a work unit is also one of num_splits equal shares of the key blocks, and writes fp32 partial O
 // and lse (as the sm80 family's, merged by combine.cuh); a share with no keys writes 0 and -inf.
