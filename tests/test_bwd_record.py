@@ -21,26 +21,10 @@ import torch
 
 import flashgen
 from flashgen.generator import params as params_mod
-from flashgen.runtime import backward, execute, interface, tma, tuning, validate
-from flashgen.runtime.device import DeviceInfo
+from flashgen.runtime import backward, execute, interface, tma, tuning
+from launch_capture import AMPERE, HOPPER, LAYOUTS, POINTER, SM90_MAPS, Launched, stand_in_device, symbolic
 
-HOPPER = DeviceInfo(capability=(9, 0), num_sms=132, l2_bytes=50 << 20, smem_per_sm=228 << 10)
-AMPERE = DeviceInfo(capability=(8, 0), num_sms=108, l2_bytes=40 << 20, smem_per_sm=164 << 10)
-LAYOUTS = {"bwd_pre": params_mod.BWD_ROW_LAYOUT, "bwd": params_mod.BWD_LAYOUT, "bwd_post": params_mod.BWD_ROW_LAYOUT,
-           "fwd": params_mod.FWD_LAYOUT, "combine": params_mod.COMBINE_LAYOUT}
 BUFFERS = ("dsum", "lse_log2", "dq_accum", "semaphores")  # backward.bwd_buffers' order
-SM90_BWD_MAPS = 5  # Q, K, V, dO and the dQ buffer (tma.sm90_bwd_params)
-POINTER = struct.Struct("<Q")
-
-
-class Launched(typing.NamedTuple):
-    spec: object
-    smem_bytes: int
-    num_threads: int
-    grid: tuple
-    params: bytes
-    dependent: bool
-    cluster: tuple | None
 
 
 class Device:
@@ -58,18 +42,7 @@ class Device:
 def device(monkeypatch, request):
     seen = Device()
     info = getattr(request, "param", HOPPER)
-    for module in (backward, interface, execute):
-        monkeypatch.setattr(module, "device_info", lambda index: info)
-        monkeypatch.setattr(module, "device_index", lambda t: 0)
-    monkeypatch.setattr(execute, "launch_kernel", lambda spec, smem, threads, grid, params, index, dependent=False,
-                        cluster=None: seen.launches.append(Launched(spec, smem, threads, grid, params, dependent,
-                                                                    cluster)))
-    # A map that names its tensor: a reused map of another call's tensor would show.
-    monkeypatch.setattr(tma, "tensor_map",
-                        lambda t, rows, group=1: struct.pack("<QQQ", t.data_ptr(), rows, group) + bytes(104))
-    monkeypatch.setattr(tma, "_quads", type(tma._quads)())
-    monkeypatch.setattr(tma, "_triples", type(tma._triples)())
-    monkeypatch.setattr(validate, "_on_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    stand_in_device(monkeypatch, info, (backward, interface, execute), seen.launches)
     replay, plan, pack, buffers = execute.run_record, backward.plan_bwd, params_mod.pack, backward.bwd_buffers
 
     def counted_replay(*args):
@@ -176,36 +149,6 @@ def names(x: dict, buffers, prefix: str = "") -> dict:
     return named
 
 
-def pointer_offsets(spec) -> tuple[int, ...]:
-    """Where a launch's params hold pointers: its layout's pointer fields (the sm90 backward's
-    after its five stand-in tensor maps, each of which starts with its tensor's address)."""
-    layout, base, maps = LAYOUTS[spec.direction], 0, ()
-    if spec.direction == "bwd" and spec.family == "sm90":
-        base = SM90_BWD_MAPS * tma.TMA_MAP_BYTES
-        maps = tuple(i * tma.TMA_MAP_BYTES for i in range(SM90_BWD_MAPS))
-    return maps + tuple(base + offset for field, offset in zip(layout.fields, layout.offsets) if field.kind == "ptr")
-
-
-def symbolic(launches: list[Launched], named: dict) -> list[tuple]:
-    """The launches with each pointer replaced by its name (named, else "new<n>" by order of
-    appearance, 0 "null") and zeroed in the params bytes."""
-    fresh: dict = {}
-    result = []
-    for launch in launches:
-        params = bytearray(launch.params)
-        pointers = []
-        for offset in pointer_offsets(launch.spec):
-            (address,) = POINTER.unpack_from(params, offset)
-            if address:
-                pointers.append(named.get(address) or fresh.setdefault(address, f"new{len(fresh)}"))
-            else:
-                pointers.append("null")
-            POINTER.pack_into(params, offset, 0)
-        result.append((launch.spec.uri, launch.smem_bytes, launch.num_threads, launch.grid, launch.dependent,
-                       launch.cluster, tuple(pointers), bytes(params)))
-    return result
-
-
 def described(buffer: torch.Tensor | None):
     """A per-call buffer as two calls' must agree: shape, dtype and, for the semaphores (int32),
     that they start zeroed (the others hold whatever empty() gave)."""
@@ -305,8 +248,8 @@ def test_hopper_records_the_sm90_backward_with_its_maps(device, name, sm90):
     y = case.tensors()
     call = run(device, case, y, **options)
     if sm90:
-        maps = call.launches[1].params[:SM90_BWD_MAPS * tma.TMA_MAP_BYTES]
-        addresses = [POINTER.unpack_from(maps, i * tma.TMA_MAP_BYTES)[0] for i in range(SM90_BWD_MAPS)]
+        maps = call.launches[1].params[:SM90_MAPS["bwd"] * tma.TMA_MAP_BYTES]
+        addresses = [POINTER.unpack_from(maps, i * tma.TMA_MAP_BYTES)[0] for i in range(SM90_MAPS["bwd"])]
         assert [call.named[a] for a in addresses] == ["q", "k", "v", "dout", "dq_accum"]
 
 

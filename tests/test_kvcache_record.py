@@ -21,23 +21,9 @@ import torch
 
 import flashgen
 from flashgen.generator import params as params_mod
-from flashgen.runtime import execute, interface, kvcache, tma, tuning, validate
+from flashgen.runtime import execute, interface, kvcache, tuning, validate
 from flashgen.runtime.device import DeviceInfo
-
-HOPPER = DeviceInfo(capability=(9, 0), num_sms=132, l2_bytes=50 << 20, smem_per_sm=228 << 10)
-AMPERE = DeviceInfo(capability=(8, 0), num_sms=108, l2_bytes=40 << 20, smem_per_sm=164 << 10)
-LAYOUTS = {"fwd": params_mod.FWD_LAYOUT, "append": params_mod.APPEND_LAYOUT, "combine": params_mod.COMBINE_LAYOUT}
-POINTER = struct.Struct("<Q")
-
-
-class Launched(typing.NamedTuple):
-    spec: object
-    smem_bytes: int
-    num_threads: int
-    grid: tuple
-    params: bytes
-    dependent: bool
-    cluster: tuple | None
+from launch_capture import AMPERE, HOPPER, LAYOUTS, POINTER, Launched, stand_in_device, symbolic
 
 
 class Device:
@@ -53,17 +39,7 @@ class Device:
 def device(monkeypatch, request):
     seen = Device()
     info = getattr(request, "param", HOPPER)
-    for module in (kvcache, interface, execute):
-        monkeypatch.setattr(module, "device_info", lambda index: info)
-        monkeypatch.setattr(module, "device_index", lambda t: 0)
-    monkeypatch.setattr(execute, "launch_kernel", lambda spec, smem, threads, grid, params, index, dependent=False,
-                        cluster=None: seen.launches.append(Launched(spec, smem, threads, grid, params, dependent,
-                                                                    cluster)))
-    # A map that names its tensor: a reused map of another call's tensor would show.
-    monkeypatch.setattr(tma, "tensor_map",
-                        lambda t, rows, group=1: struct.pack("<QQQ", t.data_ptr(), rows, group) + bytes(104))
-    monkeypatch.setattr(tma, "_triples", type(tma._triples)())
-    monkeypatch.setattr(validate, "_on_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    stand_in_device(monkeypatch, info, (kvcache, interface, execute), seen.launches)
     monkeypatch.setattr(kvcache, "_kvcache_records", execute.LaunchRecords())
     monkeypatch.setattr(interface, "_fwd_records", execute.LaunchRecords())
     replay, split = execute.run_record, execute.split_partials
@@ -146,36 +122,6 @@ def names(x: dict, out, lse, partials, prefix: str = "") -> dict:
     for pair in partials:
         named.update({t.data_ptr(): prefix + name for name, t in zip(("oaccum", "lseaccum"), pair)})
     return named
-
-
-def pointer_offsets(spec) -> tuple[int, ...]:
-    """Where a launch's params hold pointers: its layout's pointer fields (the sm90 forward's
-    after its three stand-in tensor maps, each of which starts with its tensor's address)."""
-    layout, base, maps = LAYOUTS[spec.direction], 0, ()
-    if spec.direction == "fwd" and spec.family == "sm90":
-        base = 3 * tma.TMA_MAP_BYTES
-        maps = tuple(i * tma.TMA_MAP_BYTES for i in range(3))
-    return maps + tuple(base + offset for field, offset in zip(layout.fields, layout.offsets) if field.kind == "ptr")
-
-
-def symbolic(launches: list[Launched], named: dict) -> list[tuple]:
-    """The launches with each pointer replaced by its name (named, else "new<n>" by order of
-    appearance, 0 "null") and zeroed in the params bytes."""
-    fresh: dict = {}
-    result = []
-    for launch in launches:
-        params = bytearray(launch.params)
-        pointers = []
-        for offset in pointer_offsets(launch.spec):
-            (address,) = POINTER.unpack_from(params, offset)
-            if address:
-                pointers.append(named.get(address) or fresh.setdefault(address, f"new{len(fresh)}"))
-            else:
-                pointers.append("null")
-            POINTER.pack_into(params, offset, 0)
-        result.append((launch.spec.uri, launch.smem_bytes, launch.num_threads, launch.grid, launch.dependent,
-                       launch.cluster, tuple(pointers), bytes(params)))
-    return result
 
 
 class Call(typing.NamedTuple):
