@@ -158,11 +158,13 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr, uint32_t lbo,
 }
 
 // The descriptor of the matrix `byte_offset` (a multiple of 16) past `desc`'s. The start-address
-// field is the low 14 bits, addr >> 4 (shared memory is below 256 KB), so a 32-bit add of
-// byte_offset >> 4 moves it with no carry out of the field: the loops build each operand's
-// descriptor once and move it per MMA by a constant, instead of masking and shifting an address.
+// field is the low 14 bits, addr >> 4 (shared memory is below 256 KB), so adding byte_offset >> 4
+// moves it with no carry out of the field: the loops build each operand's descriptor once and move
+// it per MMA by a constant. A 64-bit add: ptxas writes the wgmma's register pair with one
+// UIADD3.64, where a 32-bit add of the low word also copied the high word into the pair
+// (benchmarks/results/20261207-nvidia-h100-sm90-desc-add).
 __device__ __forceinline__ uint64_t smem_desc_moved(uint64_t desc, uint32_t byte_offset) {
-    return (desc & 0xffffffff00000000ull) | uint32_t(uint32_t(desc) + (byte_offset >> 4));
+    return desc + (byte_offset >> 4);
 }
 
 }  // namespace flashgen
