@@ -341,6 +341,11 @@ def build_command(
             f"compile time {sum(r.seconds for r in compiled):.1f} s in all; slowest: "
             + ", ".join(f"{r.spec.uri} {r.seconds:.1f} s" for r in slowest)
         )
+    # Kernels that work but that ptxas made slower than their code asks (e.g. every wgmma
+    # serialized for want of registers): reported, not failed; the matrix test fails on them.
+    for r in results:
+        for loss in r.performance_losses:
+            click.echo(f"SLOWER CODE {r.spec.uri}: {loss}", err=True)
     configured = config.cache_dir()
     elsewhere: dict[Path, int] = {}
     for r in results:

@@ -74,22 +74,24 @@ def temp_root(monkeypatch, tmp_path) -> Path:
 
 
 class FakeNvrtc:
-    """Stands in for nvrtc.compile_cubin in tests of the cache and CLI: records each compile."""
+    """Stands in for nvrtc.compile_with_log (the cache's compile) in tests of the cache and CLI:
+    records each compile; ``log`` is the NVRTC log each compile reports."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.log = ""
 
     @staticmethod
     def cubin(name: str) -> bytes:
         return b"\x7fELF" + name.encode() * 3
 
-    def compile_cubin(self, source, name, arch, headers, options, source_path=None) -> bytes:
+    def compile_with_log(self, source, name, arch, headers, options, source_path=None) -> tuple[bytes, str]:
         self.calls.append(name)
-        return self.cubin(name)
+        return self.cubin(name), self.log
 
 
 @pytest.fixture
 def fake_nvrtc(monkeypatch, fresh_cache) -> FakeNvrtc:
     fake = FakeNvrtc()
-    monkeypatch.setattr(nvrtc, "compile_cubin", fake.compile_cubin)
+    monkeypatch.setattr(nvrtc, "compile_with_log", fake.compile_with_log)
     return fake

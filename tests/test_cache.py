@@ -217,9 +217,9 @@ def slow_compile(source, name, arch, headers, options, source_path=None):
     with log.open("a") as f:
         f.write(name + "\\n")
     time.sleep(1.0)
-    return b"\\x7fELF" + name.encode() * 3
+    return b"\\x7fELF" + name.encode() * 3, ""
 
-nvrtc.compile_cubin = slow_compile
+nvrtc.compile_with_log = slow_compile
 ready.touch()
 while not go.exists():
     time.sleep(0.01)
@@ -260,11 +260,30 @@ def test_build_in_process(fake_nvrtc):
     assert sorted(fake_nvrtc.calls) == sorted([SPEC.uri, OTHER_SPEC.uri])
 
 
+C7512 = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+         "insufficient register resources for the function 'flash_bwd_sm90_hdim64_bf16_causal_sm90a'")
+
+
+def test_build_reports_ptxas_performance_losses_and_stores_them(fake_nvrtc):
+    """A compile whose log has ptxas's "Potential Performance Loss" (the kernel works, slower than
+    its code) is a result that names it, and its entry's metadata keeps it; a plain log has none."""
+    fake_nvrtc.log = "ptxas info    : 0 bytes gmem\n" + C7512 + "\n"
+    (slowed,) = cache.build([SPEC], jobs=1)
+    assert slowed.error is None and slowed.performance_losses == (C7512.strip(),)
+    (metadata,) = [json.loads(p.read_text()) for p in entry_files(slowed.cache_dir, ".json")]
+    assert metadata["performance_losses"] == [C7512.strip()]
+    fake_nvrtc.log = "ptxas info    : 0 bytes gmem\n"
+    (plain,) = cache.build([OTHER_SPEC], jobs=1)
+    assert plain.performance_losses == ()
+    (again,) = cache.build([SPEC], jobs=1)  # from the cache: its losses stay in its .json
+    assert again.cached and again.performance_losses == ()
+
+
 def test_build_reports_compile_errors_as_results(monkeypatch, fresh_cache):
     def failing_compile(source, name, arch, headers, options, source_path=None):
         raise nvrtc.CompileError(name, "error: expected a ';'", source_path, options)
 
-    monkeypatch.setattr(nvrtc, "compile_cubin", failing_compile)
+    monkeypatch.setattr(nvrtc, "compile_with_log", failing_compile)
     (result,) = cache.build([SPEC], jobs=1)
     assert not result.cached and SPEC.uri in result.error and "expected a ';'" in result.error
 
@@ -390,13 +409,13 @@ def test_concurrent_threads_compile_once(fake_nvrtc, fresh_cache, monkeypatch, f
     file lock made a no-op, the in-process lock alone must keep it to one compile."""
     if file_lock == "no-op":
         monkeypatch.setattr(cache, "_file_lock", lambda path: contextlib.nullcontext())
-    real_compile = fake_nvrtc.compile_cubin
+    real_compile = fake_nvrtc.compile_with_log
 
     def slow_compile(*args, **kwargs):
         time.sleep(0.2)  # hold the lock while the other thread arrives
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(nvrtc, "compile_cubin", slow_compile)
+    monkeypatch.setattr(nvrtc, "compile_with_log", slow_compile)
     barrier = threading.Barrier(2)
 
     def worker() -> bytes:
@@ -726,7 +745,7 @@ def test_build_compiles_one_snapshot_of_the_templates(fresh_cache, monkeypatch):
 
     def fake_load_or_compile(spec, options, headers, compile_on_miss=True, source=None):
         compiled.append((spec, source, headers))
-        return b"cubin", 0.5, fresh_cache
+        return b"cubin", 0.5, fresh_cache, ()
 
     monkeypatch.setattr(cache, "_load_or_compile", fake_load_or_compile)
     results = list(cache.build(specs, jobs=1))

@@ -189,7 +189,7 @@ def test_no_archive_when_a_build_fails(monkeypatch, fresh_cache, tmp_path):
     def failing_compile(source, name, arch, headers, options, source_path=None):
         raise nvrtc.CompileError(name, "error", source_path, options)
 
-    monkeypatch.setattr(nvrtc, "compile_cubin", failing_compile)
+    monkeypatch.setattr(nvrtc, "compile_with_log", failing_compile)
     archive = tmp_path / "kernels.tar.gz"
     output = run("build", "--arch", "sm_80", "--filter", SMALL, "-j", "1", "--archive", str(archive), expect=1).output
     assert "no archive written" in output and not archive.exists()
@@ -207,7 +207,7 @@ def test_real_nvrtc_archive_deploys_without_nvrtc(fresh_cache, tmp_path, monkeyp
     into_empty_cache(monkeypatch, tmp_path)
     run("cache", "import", str(archive))
     nvrtc_unloadable(monkeypatch)
-    monkeypatch.setattr(nvrtc, "compile_cubin", lambda *args, **kwargs: pytest.fail("compiled"))
+    monkeypatch.setattr(nvrtc, "compile_with_log", lambda *args, **kwargs: pytest.fail("compiled"))
     monkeypatch.setenv("FLASHGEN_DISABLE_JIT", "1")
     for spec, cubin in built.items():
         assert cache.get_cubin(spec) == cubin

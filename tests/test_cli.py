@@ -107,11 +107,20 @@ def test_build_compiles_then_finds_cached(fake_nvrtc):
     assert "1 kernels: 1 cached, 0 compiled, 0 failed" in output
 
 
+def test_build_reports_slower_code_without_failing(fake_nvrtc):
+    """ptxas's "Potential Performance Loss" on a compile: the kernel is built (exit 0) and named."""
+    loss = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized"
+    fake_nvrtc.log = loss + "\n"
+    output = run("build", "--direction", "fwd", "--arch", "sm_80", "--filter", ONE_URI_FILTER, "-j", "1").output
+    assert "1 kernels: 0 cached, 1 compiled, 0 failed" in output
+    assert f"SLOWER CODE flash_fwd_sm80_hdim64_bf16_sm80: {loss}" in output
+
+
 def test_build_failure_exits_nonzero_with_uri_and_log(monkeypatch, fresh_cache):
     def failing_compile(source, name, arch, headers, options, source_path=None):
         raise CompileError(name, "kernel.cu(3): error: expected a ';'", source_path, options)
 
-    monkeypatch.setattr("flashgen.generator.nvrtc.compile_cubin", failing_compile)
+    monkeypatch.setattr("flashgen.generator.nvrtc.compile_with_log", failing_compile)
     result = run(
         "build", "--direction", "fwd", "--arch", "sm_90a", "--filter", "sm80_hdim128_fp16_causal_sm90a", "-j", "1", expect=1
     )

@@ -58,6 +58,10 @@ def test_instance_compiles(spec: KernelSpec, matrix_build):
     target = matrix.compile_target(spec)
     result = matrix_build[target]
     assert result.error is None, result.error
+    # ptxas's "Potential Performance Loss" (e.g. C7512: every wgmma serialized for want of
+    # registers) compiles a kernel several times slower than its code: a template change that
+    # causes it fails here, before any GPU run.
+    assert not result.performance_losses, result.performance_losses
     cubin = cache.get_cubin(target)
     assert cubin.startswith(b"\x7fELF")
     assert target.kernel_name.encode() in cubin  # the extern "C" entry the runtime looks up

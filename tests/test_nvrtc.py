@@ -50,6 +50,21 @@ def test_compiles_a_cubin(arch):
     assert b"tiny" in cubin  # the extern "C" symbol, unmangled
 
 
+def test_compile_with_log_returns_the_cubin_and_nvrtc_log():
+    cubin, log = nvrtc.compile_with_log(TINY_KERNEL, "tiny", "sm_90a", HEADERS, [*nvrtc.DEFAULT_OPTIONS, "-Xptxas=-v"])
+    assert cubin.startswith(ELF_MAGIC)
+    assert "tiny" in log and "registers" in log  # ptxas's -v lines are in NVRTC's log
+    assert nvrtc.performance_losses(log) == ()
+
+
+def test_performance_losses_are_the_lines_that_say_so():
+    loss = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+            "due to insufficient register resources for the function 'k'")
+    log = f"ptxas info    : Used 168 registers\n{loss}\nptxas info    : 72 bytes stack frame\n"
+    assert nvrtc.performance_losses(log) == (loss,)
+    assert nvrtc.performance_losses("") == ()
+
+
 def test_compile_phases_reports_where_the_time_went():
     """NVRTC 13's --time report, parsed: the front end, the optimizer and ptxas, each in ms."""
     phases = nvrtc.compile_phases(TINY_KERNEL, "tiny", "sm_90a", HEADERS, nvrtc.DEFAULT_OPTIONS)

@@ -378,9 +378,9 @@ def get_cubin(spec: KernelSpec) -> bytes:
     cubin = _cubins.get((spec, options))
     if cubin is None:
         try:
-            cubin, _, _ = _load_or_compile(
+            cubin = _load_or_compile(
                 spec, options, render.header_sources(), compile_on_miss=not config.disable_jit()
-            )
+            )[0]
         except CacheWriteError as exc:
             # A training job or server must not stop because its cache disk filled up or an entry
             # folder is broken: the kernel is compiled, so use it; this process keeps it in memory,
@@ -448,10 +448,10 @@ def _load_or_compile(
     headers: Mapping[str, str],
     compile_on_miss: bool = True,
     source: str | None = None,
-) -> tuple[bytes, float | None, Path | None]:
-    """(cubin, compile seconds, the cache folder holding the entry): seconds None when it came
-    from the disk cache, folder None when it could not be stored (a CacheWriteError caught by the
-    caller).  Raises JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT;
+) -> tuple[bytes, float | None, Path | None, tuple[str, ...]]:
+    """(cubin, compile seconds, the cache folder holding the entry, ptxas's performance-loss lines
+    when compiled here): seconds None when it came from the disk cache, folder None when it could
+    not be stored (a CacheWriteError caught by the caller).  Raises JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT;
     `flashgen build` always compiles), CacheWriteError when the compiled cubin could not be stored,
     NvrtcNotFoundError on a miss without NVRTC. ``source``: the rendered instance, if the caller
     has it."""
@@ -462,7 +462,7 @@ def _load_or_compile(
     version = _nvrtc_version()
     found = _find(spec, source, headers, options, version, root, any_nvrtc=not compile_on_miss)
     if found is not None:
-        return found[1], None, root
+        return found[1], None, root, ()
     if not compile_on_miss:
         raise JitDisabledError(spec, root)
     if version is None:
@@ -472,7 +472,7 @@ def _load_or_compile(
     if directory != root:
         cubin = _read_cubin(entry)
         if cubin is not None:
-            return cubin, None, directory
+            return cubin, None, directory, ()
     with _entry_lock(entry), contextlib.ExitStack() as locked:
         try:
             files.make_dir(entry.directory)
@@ -481,25 +481,26 @@ def _load_or_compile(
         except OSError as exc:
             # A fault below the cache folder (the entry's folder is a file, a link or another
             # user's; no space or descriptors for the folder or lock): compile without storing.
-            cubin, _ = _compile(entry, None)
+            cubin, _, _ = _compile(entry, None)
             raise CacheWriteError(entry.path(".cubin"), exc, cubin) from exc
         # Another thread or process may have compiled this entry while we waited for the lock.
         cubin = _read_cubin(entry)
         if cubin is not None:
-            return cubin, None, directory
-        cubin, seconds = _compile_and_store(entry)
-        return cubin, seconds, directory
+            return cubin, None, directory, ()
+        cubin, seconds, losses = _compile_and_store(entry)
+        return cubin, seconds, directory, losses
 
 
-def _compile(entry: _Entry, source_path: Path | None) -> tuple[bytes, float]:
+def _compile(entry: _Entry, source_path: Path | None) -> tuple[bytes, float, tuple[str, ...]]:
+    """(cubin, seconds, ptxas's performance-loss lines)."""
     start = time.perf_counter()
-    cubin = nvrtc.compile_cubin(
+    cubin, log = nvrtc.compile_with_log(
         entry.source, entry.spec.uri, entry.spec.arch, entry.headers, entry.options, source_path
     )
-    return cubin, time.perf_counter() - start
+    return cubin, time.perf_counter() - start, nvrtc.performance_losses(log)
 
 
-def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
+def _compile_and_store(entry: _Entry) -> tuple[bytes, float, tuple[str, ...]]:
     """Compile, then write metadata and cubin (last: an entry exists when its cubin does).  A
     failed write removes the entry's files and raises CacheWriteError carrying the cubin."""
     _sweep_stale_temp_files(entry.directory)
@@ -510,10 +511,10 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
     except OSError as exc:
         # Compile anyway: without a source path NVRTC saves a failing source to a temp folder.
         write_error, source_path = exc, None
-    cubin, seconds = _compile(entry, source_path)
+    cubin, seconds, losses = _compile(entry, source_path)
     if write_error is None:
         try:
-            files.atomic_write(entry.path(".json"), _metadata(entry, seconds))
+            files.atomic_write(entry.path(".json"), _metadata(entry, seconds, losses))
             files.atomic_write(entry.path(".cubin"), _frame(entry, cubin))
         except OSError as exc:
             write_error = exc
@@ -523,10 +524,10 @@ def _compile_and_store(entry: _Entry) -> tuple[bytes, float]:
                 entry.path(suffix).unlink(missing_ok=True)
         raise CacheWriteError(entry.path(".cubin"), write_error, cubin) from write_error
     logger.info("compiled %s in %.1f s -> %s", entry.spec.uri, seconds, entry.path(".cubin"))
-    return cubin, seconds
+    return cubin, seconds, losses
 
 
-def _metadata(entry: _Entry, seconds: float | None) -> bytes:
+def _metadata(entry: _Entry, seconds: float | None, performance_losses: Sequence[str] = ()) -> bytes:
     """The entry's .json: what the NVRTC-free lookup reads (NVRTC version, CUDA headers' major)
     and what a person reads.  ``seconds`` None: not compiled here (an archived entry)."""
     metadata = {
@@ -537,6 +538,7 @@ def _metadata(entry: _Entry, seconds: float | None) -> bytes:
         "nvrtc_version": list(entry.nvrtc_version),
         "cuda_headers_major": entry.cuda_headers_major,
         "compile_seconds": None if seconds is None else round(seconds, 3),
+        "performance_losses": list(performance_losses),
     }
     return (json.dumps(metadata, indent=2) + "\n").encode()
 
@@ -607,6 +609,9 @@ class BuildResult:
     cached: bool
     error: str | None = None  # the CompileError message (source path, options, NVRTC log)
     cache_dir: Path | None = None  # the cache folder holding the entry (None on an error)
+    # ptxas's performance-loss lines (nvrtc.performance_losses) when compiled here; a cached
+    # entry's are in its .json.
+    performance_losses: tuple[str, ...] = ()
 
 
 def _set_parent_death_signal() -> bool:
@@ -693,12 +698,12 @@ def _build_one(spec: KernelSpec, source: str, options: tuple[str, ...],
     """Worker (module-level so that a spawned process can unpickle it): headers default to the
     snapshot the worker was started with."""
     try:
-        _, seconds, directory = _load_or_compile(spec, options, headers or _worker_headers, source=source)
+        _, seconds, directory, losses = _load_or_compile(spec, options, headers or _worker_headers, source=source)
     except nvrtc.CompileError as exc:
         return BuildResult(spec, 0.0, cached=False, error=str(exc))
     except Exception as exc:
         return BuildResult(spec, 0.0, cached=False, error=f"{type(exc).__name__}: {exc}")
-    return BuildResult(spec, seconds or 0.0, cached=seconds is None, cache_dir=directory)
+    return BuildResult(spec, seconds or 0.0, cached=seconds is None, cache_dir=directory, performance_losses=losses)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -238,6 +238,16 @@ def cuda_include_dir(nvrtc_major: int | None = None) -> Path | None:
     return next((c for c in found if cuda_headers_major(c) == major), found[0])
 
 
+# ptxas's word for code it made slower than the program asks, e.g. (C7512) every wgmma serialized
+# for want of registers: the kernel still runs, several times slower, so the matrix test fails on it.
+PERFORMANCE_LOSS = "Potential Performance Loss"
+
+
+def performance_losses(log: str) -> tuple[str, ...]:
+    """The lines of an NVRTC log in which ptxas reports a performance loss."""
+    return tuple(line.strip() for line in log.splitlines() if PERFORMANCE_LOSS in line)
+
+
 def compile_cubin(
     source: str,
     name: str,
@@ -252,6 +262,18 @@ def compile_cubin(
     ``source_path`` is where the source already lies (the cache saves it); without one, a failed
     compile saves it to a temporary directory.  Raises CompileError when NVRTC rejects the program.
     """
+    return compile_with_log(source, name, arch, headers, options, source_path)[0]
+
+
+def compile_with_log(
+    source: str,
+    name: str,
+    arch: str,
+    headers: Mapping[str, str],
+    options: Sequence[str],
+    source_path: Path | None = None,
+) -> tuple[bytes, str]:
+    """compile_cubin's cubin and NVRTC's log of the compile (its warnings and ptxas's notes)."""
     nvrtc_version()  # a missing NVRTC fails here, with its fix, before anything else
     include_dir = cuda_include_dir()
     if include_dir is None:
@@ -278,12 +300,14 @@ def compile_cubin(
             raise CompileError(name, log, saved, all_options)
         if log.strip():
             logger.info("NVRTC log for %s:\n%s", name, log.rstrip())
+        for loss in performance_losses(log):
+            logger.warning("%s: %s", name, loss)
         err, size = _nvrtc.nvrtcGetCUBINSize(program)
         _check(err, "nvrtcGetCUBINSize")
         cubin = bytearray(size)
         (err,) = _nvrtc.nvrtcGetCUBIN(program, cubin)
         _check(err, "nvrtcGetCUBIN")
-        return bytes(cubin)
+        return bytes(cubin), log
     finally:
         # Warn rather than raise: a leaked program must not hide the result or the real error.
         (err,) = _nvrtc.nvrtcDestroyProgram(program)
