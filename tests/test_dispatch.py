@@ -101,6 +101,24 @@ def test_pack_gqa_rule():
     assert pack_gqa_for(**groups128) and not pack_gqa_for(**{**groups128, "sm90_rows": 192})  # 192 rows: 1.5 queries
 
 
+def test_sm90_packs_masked_gqa_under_its_tuning():
+    """Tuning.sm90_pack_gqa_masked: causal and local GQA calls of the sm90 forward pack their group
+    (full tiles, which the fill heuristic keeps unpacked); no-mask calls, MHA, dropout, groups that do
+    not divide the tile's rows and an explicit pack_gqa=False keep the default's choice."""
+    packing = dataclasses.replace(DEFAULT_TUNING, sm90_pack_gqa_masked=True)
+    gqa = dict(sm90=True, head_dim=64, batch=16, seqlen_q=1024, seqlen_k=1024, nheads=32, nheads_k=8)
+    default, packed = plan(**gqa, causal=True), plan(**gqa, causal=True, tuning=packing)
+    assert default.spec.family == packed.spec.family == "sm90"
+    assert not default.spec.pack_gqa and packed.spec.pack_gqa
+    assert plan(**gqa, window_size=(256, 0), tuning=packing).spec.pack_gqa  # local
+    assert not plan(**gqa, tuning=packing).spec.pack_gqa  # no mask: the heuristic's choice
+    assert not plan(**gqa, causal=True, pack_gqa=False, tuning=packing).spec.pack_gqa  # explicit wins
+    assert not plan(**{**gqa, "nheads": 8}, causal=True, tuning=packing).spec.pack_gqa  # MHA
+    assert not plan(**gqa, causal=True, dropout=True, tuning=packing).spec.pack_gqa  # no packed dropout
+    five = plan(**{**gqa, "nheads": 40}, causal=True, tuning=packing)  # 192 rows hold no whole group of 5
+    assert not (five.spec.family == "sm90" and five.spec.pack_gqa)
+
+
 def test_plan_split_heuristic_packs_gqa():
     # Unpacked full tiles (the heuristic does not pack them) but few CTAs: the split heuristic's count,
     # chosen for the unpacked grid, then the packed geometry with it.

@@ -129,7 +129,8 @@ def _splits_with_keys(num_splits: int, n_blocks: int) -> int:
 
 
 def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, seqlen_q: int, block_m: int,
-                 varlen: bool, paged: bool, num_splits: int, sm90_rows: int = 0, dropout: bool = False) -> bool:
+                 varlen: bool, paged: bool, num_splits: int, sm90_rows: int = 0, dropout: bool = False,
+                 masked_sm90: bool = False) -> bool:
     """Whether a forward call packs the query heads of a KV head into its tiles' rows (PackGQA).
 
     MHA never packs (one head per group: the packed kernel computes the same thing). An explicit
@@ -140,8 +141,10 @@ def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, 
     split-KV plan packs. The sm90 family (``sm90_rows``: its tile's rows for the call, 0 for the
     sm80 family) takes the heuristic's packing only for a group that divides them and without
     dropout (no packed dropout instance); an explicit
-    pack_gqa=True that it cannot serve goes to the sm80 family. (Decode over a pair of KV heads,
-    FwdPlan.kv_head_group, packs their rows whatever this says, unless pack_gqa is False.)"""
+    pack_gqa=True that it cannot serve goes to the sm80 family. ``masked_sm90``: a causal or local
+    call under Tuning.sm90_pack_gqa_masked, which the sm90 family packs whatever the fill heuristic
+    says. (Decode over a pair of KV heads, FwdPlan.kv_head_group, packs their rows whatever this
+    says, unless pack_gqa is False.)"""
     if nheads == nheads_k:
         return False
     if pack_gqa is not None:
@@ -150,7 +153,7 @@ def pack_gqa_for(*, nheads: int, nheads_k: int, pack_gqa: bool | None, cc: int, 
         cc, nheads, nheads_k, seqlen_q, block_m, varlen_q=varlen, paged_kv_without_tma=paged, num_splits=num_splits,
     ) or nheads > GRID_YZ_LIMIT
     if sm90_rows:
-        return pack and sm90_rows % (nheads // nheads_k) == 0 and not dropout
+        return (pack or masked_sm90) and sm90_rows % (nheads // nheads_k) == 0 and not dropout
     return pack
 
 
@@ -260,7 +263,8 @@ def plan_fwd(
     if sm90_tile is not None:
         # Calls the sm80 family would run on its decode tile stay there (the sm90 family has none).
         decode = _is_decode(seqlen_q * group if pack else seqlen_q, dropout)
-        sm90_pack = pack_rule(num_splits=num_splits, sm90_rows=sm90_tile.block_m, dropout=dropout)
+        sm90_pack = pack_rule(num_splits=num_splits, sm90_rows=sm90_tile.block_m, dropout=dropout,
+                              masked_sm90=tuning.sm90_pack_gqa_masked and mask != "none")
         sm90_plan = _plan_fwd_sm90(call, sm90_tile, sm90_pack, decode, num_splits)
         if sm90_plan is not None:
             return sm90_plan

@@ -58,6 +58,12 @@ class Tuning:
     decode_pair_min_sm_share: float = 0.5
     # The split-KV combine as a programmatic dependent launch on sm_90+ (execute.launch_combine).
     dependent_combine: bool = True
+    # The sm90 forward packs a GQA group's query heads into its tiles' rows under a causal or local
+    # mask, whatever the fill heuristic says: a tile then spans block_m / G query positions, and its
+    # diagonal key blocks hold less masked work (d64 s1k causal GQA 4, 192-row tiles: 0.67 -> 0.82
+    # of the MMA work useful by the tile model; FA4 packs every GQA call). Off until an A/B on the
+    # device decides (benchmarks/results/20261207-cpu-sm90-fwd-packgqa-causal-model).
+    sm90_pack_gqa_masked: bool = False
     # The causal sm90 backward's CTAs (one per key block) visit fewer query blocks the later their
     # keys: in launch order the longest ones of the last heads start last and the grid ends on a
     # tail. They run longest first (key blocks slowest) within chunks of (batch, KV head) pairs of
