@@ -80,7 +80,7 @@ except ImportError:  # Windows: entries are locked with filelock there
 
 logger = logging.getLogger("flashgen")
 
-# Bump when the key's fields, the fixed flags of nvrtc.compile_cubin or the entry format change.
+# Bump when the key's fields, the fixed flags of nvrtc.compile_with_log or the entry format change.
 # 3: the CUDA headers' major version is a key field.
 SCHEMA_VERSION = 3
 
@@ -451,10 +451,10 @@ def _load_or_compile(
 ) -> tuple[bytes, float | None, Path | None, tuple[str, ...]]:
     """(cubin, compile seconds, the cache folder holding the entry, ptxas's performance-loss lines
     when compiled here): seconds None when it came from the disk cache, folder None when it could
-    not be stored (a CacheWriteError caught by the caller).  Raises JitDisabledError on a miss when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT;
-    `flashgen build` always compiles), CacheWriteError when the compiled cubin could not be stored,
-    NvrtcNotFoundError on a miss without NVRTC. ``source``: the rendered instance, if the caller
-    has it."""
+    not be stored (a CacheWriteError caught by the caller).  Raises JitDisabledError on a miss
+    when not ``compile_on_miss`` (FLASHGEN_DISABLE_JIT; `flashgen build` always compiles),
+    CacheWriteError when the compiled cubin could not be stored, NvrtcNotFoundError on a miss
+    without NVRTC. ``source``: the rendered instance, if the caller has it."""
     configured = config.cache_dir()
     root = read_dir(configured)
     if source is None:

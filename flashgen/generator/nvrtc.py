@@ -23,7 +23,7 @@ else:
 
 logger = logging.getLogger("flashgen")
 
-# The options every flashgen kernel is compiled with, besides the fixed ones compile_cubin adds.
+# The options every flashgen kernel is compiled with, besides the fixed ones compile_with_log adds.
 # -lineinfo: source lines in profilers and compute-sanitizer, at no run-time cost.
 # No --use_fast_math: the kernels use fast instructions explicitly where their error is known
 # (ex2.approx in common.cuh); the flag would also flush denormals and loosen divisions elsewhere.
@@ -248,23 +248,6 @@ def performance_losses(log: str) -> tuple[str, ...]:
     return tuple(line.strip() for line in log.splitlines() if PERFORMANCE_LOSS in line)
 
 
-def compile_cubin(
-    source: str,
-    name: str,
-    arch: str,
-    headers: Mapping[str, str],
-    options: Sequence[str],
-    source_path: Path | None = None,
-) -> bytes:
-    """Compile ``source`` to a cubin for ``arch`` ("sm_80", "sm_90a").
-
-    ``headers`` maps include names to their text; NVRTC resolves ``#include "name"`` from them.
-    ``source_path`` is where the source already lies (the cache saves it); without one, a failed
-    compile saves it to a temporary directory.  Raises CompileError when NVRTC rejects the program.
-    """
-    return compile_with_log(source, name, arch, headers, options, source_path)[0]
-
-
 def compile_with_log(
     source: str,
     name: str,
@@ -273,7 +256,13 @@ def compile_with_log(
     options: Sequence[str],
     source_path: Path | None = None,
 ) -> tuple[bytes, str]:
-    """compile_cubin's cubin and NVRTC's log of the compile (its warnings and ptxas's notes)."""
+    """Compile ``source`` to a cubin for ``arch`` ("sm_80", "sm_90a"); returns the cubin and
+    NVRTC's log of the compile (its warnings and ptxas's notes).
+
+    ``headers`` maps include names to their text; NVRTC resolves ``#include "name"`` from them.
+    ``source_path`` is where the source already lies (the cache saves it); without one, a failed
+    compile saves it to a temporary directory.  Raises CompileError when NVRTC rejects the program.
+    """
     nvrtc_version()  # a missing NVRTC fails here, with its fix, before anything else
     include_dir = cuda_include_dir()
     if include_dir is None:
@@ -313,6 +302,11 @@ def compile_with_log(
         (err,) = _nvrtc.nvrtcDestroyProgram(program)
         if err != _nvrtc.nvrtcResult.NVRTC_SUCCESS:
             logger.warning("nvrtcDestroyProgram failed for %s: %s", name, _error_string(err))
+
+
+def compile_cubin(*args, **kwargs) -> bytes:
+    """compile_with_log's cubin alone (the same arguments)."""
+    return compile_with_log(*args, **kwargs)[0]
 
 
 def compile_phases(
