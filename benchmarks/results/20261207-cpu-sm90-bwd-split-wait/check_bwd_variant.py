@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/, for
 from tune_bwd_sm90 import use_variant  # noqa: E402
 
 import flashgen  # noqa: E402
+from flashgen.runtime import tuning  # noqa: E402
 
 _SIZES = ((113, 1023), (1023, 1023), (1, 300), (777, 777))
 
@@ -48,8 +49,8 @@ def main() -> None:
                 expected = torch.autograd.grad(reference(q, k, v, causal), (q, k, v), dout.float())
                 errors = {}
                 for variant in ["default", *args.variants]:
-                    use_variant(variant)
-                    grads = torch.autograd.grad(flashgen.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+                    with tuning.use(**use_variant(variant)):  # its tuning.FIELD=VALUE items too
+                        grads = torch.autograd.grad(flashgen.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
                     errors[variant] = [(g.float() - e).abs().max().item() for g, e in zip(grads, expected)]
                 for variant in args.variants:
                     ok = all(err <= 2 * base + 1e-5 for base, err in zip(errors["default"], errors[variant]))
