@@ -102,14 +102,16 @@ def test_pack_gqa_rule():
 
 
 def test_sm90_packs_masked_gqa_under_its_tuning():
-    """Tuning.sm90_pack_gqa_masked: causal and local GQA calls of the sm90 forward pack their group
-    (full tiles, which the fill heuristic keeps unpacked); no-mask calls, MHA, dropout, groups that do
+    """Tuning.sm90_pack_gqa_masked (on by default): causal and local GQA calls of the sm90 forward pack
+    their group (full tiles, which the fill heuristic keeps unpacked without it); no-mask calls, MHA, dropout, groups that do
     not divide the tile's rows and an explicit pack_gqa=False keep the default's choice."""
-    packing = dataclasses.replace(DEFAULT_TUNING, sm90_pack_gqa_masked=True)
+    packing = DEFAULT_TUNING
+    assert packing.sm90_pack_gqa_masked  # the default
+    unpacking = dataclasses.replace(DEFAULT_TUNING, sm90_pack_gqa_masked=False)
     gqa = dict(sm90=True, head_dim=64, batch=16, seqlen_q=1024, seqlen_k=1024, nheads=32, nheads_k=8)
-    default, packed = plan(**gqa, causal=True), plan(**gqa, causal=True, tuning=packing)
-    assert default.spec.family == packed.spec.family == "sm90"
-    assert not default.spec.pack_gqa and packed.spec.pack_gqa
+    unpacked, packed = plan(**gqa, causal=True, tuning=unpacking), plan(**gqa, causal=True, tuning=packing)
+    assert unpacked.spec.family == packed.spec.family == "sm90"
+    assert not unpacked.spec.pack_gqa and packed.spec.pack_gqa
     assert plan(**gqa, window_size=(256, 0), tuning=packing).spec.pack_gqa  # local
     assert not plan(**gqa, tuning=packing).spec.pack_gqa  # no mask: the heuristic's choice
     assert not plan(**gqa, causal=True, pack_gqa=False, tuning=packing).spec.pack_gqa  # explicit wins

@@ -61,9 +61,9 @@ class Tuning:
     # The sm90 forward packs a GQA group's query heads into its tiles' rows under a causal or local
     # mask, whatever the fill heuristic says: a tile then spans block_m / G query positions, and its
     # diagonal key blocks hold less masked work (d64 s1k causal GQA 4, 192-row tiles: 0.67 -> 0.82
-    # of the MMA work useful by the tile model; FA4 packs every GQA call). Off until the forward's
-    # GPU tier has run with it on (its A/B: benchmarks/results/20261207-nvidia-h100-split-wait-packgqa-ab).
-    sm90_pack_gqa_masked: bool = False
+    # of the MMA work useful by the tile model; FA4 packs every GQA call). Its A/B:
+    # benchmarks/results/20261207-nvidia-h100-split-wait-packgqa-ab.
+    sm90_pack_gqa_masked: bool = True
     # The causal sm90 backward's CTAs (one per key block) visit fewer query blocks the later their
     # keys: in launch order the longest ones of the last heads start last and the grid ends on a
     # tail. They run longest first (key blocks slowest) within chunks of (batch, KV head) pairs of

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen.runtime import execute
+from flashgen.runtime import execute, tuning
 from flashgen.runtime.dispatch import sm90_bwd_instance_head_dim
 from flashgen.runtime.dispatch import sm90_instance_head_dim
 from test_fwd import (  # noqa: F401 (_seed: autouse)
@@ -78,7 +78,10 @@ def _check_sm90_against_sm80(monkeypatch, launched, dtype, head_dim, causal, bat
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     mask = "causal" if causal else "none"
     instance = sm90_instance_head_dim(head_dim)
-    uri = f"flash_fwd_sm90_hdim{instance}_{DTYPE_NAMES[dtype]}{'_causal' if causal else ''}_sm90a"
+    # Causal GQA calls pack the group (Tuning.sm90_pack_gqa_masked; every group here divides the rows).
+    packed = causal and nheads != nheads_k and tuning.current().sm90_pack_gqa_masked
+    uri = (f"flash_fwd_sm90_hdim{instance}_{DTYPE_NAMES[dtype]}{'_causal' if causal else ''}"
+           f"{'_packgqa' if packed else ''}_sm90a")
     monkeypatch.delenv("FLASHGEN_FAMILY", raising=False)
     out, lse = call_poisoned(flashgen.flash_attn_func, q, k, v, causal=causal)
     assert launched == [uri], f"the {mask} d{head_dim} call ran {launched}, not the sm90 family"
