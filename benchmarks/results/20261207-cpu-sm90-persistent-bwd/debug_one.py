@@ -1,4 +1,6 @@
-"""One sm90 backward case (argv: name), checked against an fp32 reference; prints the errors."""
+"""One sm90 backward case (argv: name [faulthandler seconds]), checked against an fp32 reference;
+prints the errors, and under -DFLASHGEN_MBAR_WATCHDOG_MS (FLASHGEN_NVRTC_EXTRA_OPTIONS) the waits
+that gave up (sm90_common.cuh's flashgen_mbar_watchdog)."""
 import faulthandler, sys, time
 import torch, flashgen
 
@@ -40,3 +42,30 @@ for n, g, a, l in zip("qkv", (dq, dk, dv), r32, r16):
     errs.append(f"d{n} {e:.3g} (torch bf16 {el:.3g})")
 ok = all((g.float() - a).abs().max().item() <= 3 * (l.float() - a).abs().max().item() + 1e-5 for g, a, l in zip((dq, dk, dv), r32, r16))
 print(f"{name}: {'OK' if ok else 'BAD'} backward {t*1e3:.1f} ms (first call) " + ", ".join(errs), flush=True)
+
+
+def watchdog_report(limit=48):
+    """The waits that outlasted the watchdog's deadline, per backward kernel that has the buffer."""
+    from flashgen.runtime import launch
+    driver = launch._import_driver()
+    roles = {0: "producer", 1: "lse/d", 2: "dq", 3: "keep bits"}
+    for spec, kernel in list(launch._loaded.items()):
+        result = driver.cuLibraryGetGlobal(kernel.library, b"flashgen_mbar_watchdog")
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            continue
+        pointer, size = result[1], result[2]
+        words = torch.empty(size // 8, dtype=torch.int64, device="cuda")
+        launch.check(driver.cuMemcpyDtoD(words.data_ptr(), pointer, size), "reading the watchdog")
+        torch.cuda.synchronize()
+        words = words.cpu()
+        count = int(words[0])
+        print(f"watchdog {spec}: {count} waits gave up", flush=True)
+        entries = words[1:1 + 4 * min(count, limit)].view(-1, 4).tolist()
+        for block_thread, bar, parity, state in entries:
+            block, thread = block_thread >> 32, block_thread & 0xFFFFFFFF
+            warp = thread // 32
+            role = roles.get(warp, f"consumer {(warp - 4) // 4}")
+            print(f"  block {block} warp {warp} ({role}) bar 0x{bar:x} parity {parity} state 0x{state & (2**64 - 1):016x}")
+
+
+watchdog_report()
