@@ -103,8 +103,9 @@ def test_pack_gqa_rule():
 
 def test_sm90_packs_masked_gqa_under_its_tuning():
     """Tuning.sm90_pack_gqa_masked (on by default): causal and local GQA calls of the sm90 forward pack
-    their group (full tiles, which the fill heuristic keeps unpacked without it); no-mask calls, MHA, dropout, groups that do
-    not divide the tile's rows and an explicit pack_gqa=False keep the default's choice."""
+    their group (full tiles, which the fill heuristic alone keeps unpacked); no-mask calls, MHA,
+    dropout, groups that do not divide the tile's rows and an explicit pack_gqa=False keep the
+    heuristic's choice."""
     packing = DEFAULT_TUNING
     assert packing.sm90_pack_gqa_masked  # the default
     unpacking = dataclasses.replace(DEFAULT_TUNING, sm90_pack_gqa_masked=False)
