@@ -22,7 +22,7 @@ timeout 60 cuda-gdb -p $PID -batch -ex "info cuda kernels" -ex "cuda block (0,0,
   -ex "cuda block (1,0,0) thread (0,0,0)" -ex "info cuda warps" -ex "info cuda lanes" > $OUT/gdb.txt 2>&1
 echo "gdb rc=$? at $((SECONDS-S)) s"; grep -i "pc\|warp" $OUT/gdb.txt | head -40
 kill -9 $PID 2>/dev/null; wait $PID 2>/dev/null
-find /tmp/fgcache -name "*flash_bwd_sm90_hdim64_bf16_sm90a*" | head -3 | xargs -I{} cp {} $OUT/ 2>/dev/null
+tar czf $OUT/cubins.tgz -C /tmp/fgcache flash_bwd_sm90_hdim64_bf16_sm90a  # every variant, with its .json (options)
 # 2. The recorder watchdog (no printf, so the wgmma stay async): waits that give up after 2 s, and
 # the bisection: which of the patch's changes hangs at one item a CTA.
 for v in "-DFLASHGEN_MBAR_WATCHDOG_MS=2000" "-DFLASHGEN_BWD_SM90_DEBUG_STAGE_IN_KV=1" "-DFLASHGEN_BWD_SM90_DEBUG_NO_SLOTS=1" \
