@@ -1,7 +1,7 @@
 """One sm90 backward case (argv: name [faulthandler seconds]), checked against an fp32 reference;
 prints the errors, and under -DFLASHGEN_MBAR_WATCHDOG_MS (FLASHGEN_NVRTC_EXTRA_OPTIONS) the waits
 that gave up (sm90_common.cuh's flashgen_mbar_watchdog)."""
-import faulthandler, sys, time
+import faulthandler, os, sys, time
 import torch, flashgen
 
 CASES = {  # name: batch, seqlen, nheads, nheads_k, d, causal, deterministic
@@ -45,19 +45,16 @@ print(f"{name}: {'OK' if ok else 'BAD'} backward {t*1e3:.1f} ms (first call) " +
 
 
 def watchdog_report(limit=48):
-    """The waits that outlasted the watchdog's deadline, per backward kernel that has the buffer."""
+    """The waits that outlasted the watchdog's deadline, per sm90 backward kernel loaded (read
+    with the timeline script's reader of a module's __device__ buffer)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # benchmarks/
+    from bwd_cta_timeline import read_timeline
     from flashgen.runtime import launch
-    driver = launch._import_driver()
     roles = {0: "producer", 1: "lse/d", 2: "dq", 3: "keep bits"}
     for spec, kernel in list(launch._loaded.items()):
-        result = driver.cuLibraryGetGlobal(kernel.library, b"flashgen_mbar_watchdog")
-        if result[0] != driver.CUresult.CUDA_SUCCESS:
+        if spec.direction != "bwd" or spec.family != "sm90":
             continue
-        pointer, size = result[1], result[2]
-        words = torch.empty(size // 8, dtype=torch.int64, device="cuda")
-        launch.check(driver.cuMemcpyDtoD(words.data_ptr(), pointer, size), "reading the watchdog")
-        torch.cuda.synchronize()
-        words = words.cpu()
+        words = read_timeline(kernel, b"flashgen_mbar_watchdog", slots=1).view(-1)
         count = int(words[0])
         print(f"watchdog {spec}: {count} waits gave up", flush=True)
         entries = words[1:1 + 4 * min(count, limit)].view(-1, 4).tolist()
@@ -68,4 +65,5 @@ def watchdog_report(limit=48):
             print(f"  block {block} warp {warp} ({role}) bar 0x{bar:x} parity {parity} state 0x{state & (2**64 - 1):016x}")
 
 
-watchdog_report()
+if "FLASHGEN_MBAR_WATCHDOG_MS" in os.environ.get("FLASHGEN_NVRTC_EXTRA_OPTIONS", ""):
+    watchdog_report()
